@@ -1,0 +1,21 @@
+"""dsv41c: a compiler-driven implementation of the DeepSeek-V4.1-Flash architecture.
+
+    import dsv41c, torch
+    model = dsv41c.load_model(path, dtype=torch.float32, kv_quant=False, device="cpu")
+    logits = model(input_ids, start_pos=0, full_logits=True)   # [B, S, V] fp32
+    logits = model(next_ids, start_pos=S)                      # [B, V]
+"""
+from dsv41c.config import ModelArgs
+from dsv41c.errors import (ArtifactError, CheckpointError, ConfigError, DSV41CError, GoldenMismatch,
+                           InputError)
+from dsv41c.model import Transformer
+from dsv41c.tokenizer import Tokenizer, load_tokenizer
+from dsv41c.weights import build_model, init_weights, load_model, save_checkpoint
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ModelArgs", "Transformer", "Tokenizer", "load_tokenizer", "build_model", "init_weights", "load_model",
+    "save_checkpoint", "DSV41CError", "ConfigError", "CheckpointError", "InputError", "GoldenMismatch",
+    "ArtifactError", "__version__",
+]

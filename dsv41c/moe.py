@@ -1,0 +1,151 @@
+"""Mixture of experts (spec §7): the fp32 router with a selection-only bias, SwiGLU experts with
+clamps, the routing weight applied before w2, and the fp32 accumulation in expert order.
+
+Routed experts are stored stacked ([E, out, in] per projection) so that decode can gather just
+the active experts. The state dict still uses the official names `experts.{e}.w1.weight` etc.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsv41c.config import ModelArgs
+from dsv41c.nn import Linear, batched_linear, linear
+
+PROJECTIONS = ("w1", "w2", "w3")
+
+
+def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
+    """silu(g) * u in fp32; with a limit, u is clamped both sides and g from above only."""
+    g, u = g.float(), u.float()
+    if limit > 0:
+        u = u.clamp(-limit, limit)
+        g = g.clamp(max=limit)
+    return F.silu(g) * u
+
+
+class Gate(nn.Module):
+    def __init__(self, args: ModelArgs, n_experts: int, topk: int, dtype: torch.dtype):
+        super().__init__()
+        self.topk, self.score_func = topk, args.score_func
+        self.temp, self.route_scale, self.norm_topk = args.gate_temp, args.route_scale, args.norm_topk_prob
+        self.weight = nn.Parameter(torch.empty(n_experts, args.dim, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(n_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, D] -> routing weights [N, k] fp32 and expert ids [N, k] (descending score + bias)."""
+        z = F.linear(x.float(), self.weight.float()) / self.temp
+        if self.score_func == "sqrtsoftplus":
+            scores = F.softplus(z).sqrt()
+        elif self.score_func == "sigmoid":
+            scores = torch.sigmoid(z)
+        else:
+            scores = torch.softmax(z, dim=-1)
+        ids = (scores + self.bias).topk(self.topk, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if self.norm_topk and self.topk > 1:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.route_scale, ids
+
+
+class Expert(nn.Module):
+    """The shared expert: a SwiGLU MLP with Q-Linear weights and no routing weight."""
+
+    def __init__(self, dim: int, inter: int, fmt: str, dtype: torch.dtype, limit: float):
+        super().__init__()
+        self.limit = limit
+        self.w1 = Linear(dim, inter, fmt, dtype)
+        self.w2 = Linear(inter, dim, fmt, dtype)
+        self.w3 = Linear(dim, inter, fmt, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(swiglu(self.w1(x), self.w3(x), self.limit).to(x.dtype))
+
+
+class Experts(nn.Module):
+    """E routed experts, each projection stacked: `w1` [E, F, D], `w3` [E, F, D], `w2` [E, D, F]
+    (plus `*_scale` for fp8/fp4 storage; fp4 weights hold two values per byte)."""
+
+    def __init__(self, n: int, dim: int, inter: int, fmt: str, dtype: torch.dtype, limit: float):
+        super().__init__()
+        self.n, self.fmt, self.limit = n, fmt, limit
+        for name, (out_f, in_f) in {"w1": (inter, dim), "w2": (dim, inter), "w3": (inter, dim)}.items():
+            ref = Linear(in_f, out_f, fmt, dtype)
+            self.register_parameter(name, nn.Parameter(ref.weight.data.unsqueeze(0).repeat(n, 1, 1),
+                                                       requires_grad=fmt == "dense"))
+            scale = None if ref.scale is None else nn.Parameter(
+                ref.scale.data.unsqueeze(0).repeat(n, 1, 1), requires_grad=False)
+            self.register_parameter(f"{name}_scale", scale)
+        self.register_state_dict_post_hook(_split_experts)
+        self.register_load_state_dict_pre_hook(_stack_experts)
+
+    def _proj(self, name: str, e) -> tuple[torch.Tensor, torch.Tensor | None]:
+        scale = getattr(self, f"{name}_scale")
+        return getattr(self, name)[e], None if scale is None else scale[e]
+
+    def one(self, e: int, x: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
+        """Expert e on its tokens x [n, D] with routing weights [n] fp32."""
+        h = swiglu(linear(x, *self._proj("w1", e), self.fmt), linear(x, *self._proj("w3", e), self.fmt), self.limit)
+        return linear((route.unsqueeze(-1) * h).to(x.dtype), *self._proj("w2", e), self.fmt)
+
+    def gathered(self, x: torch.Tensor, route: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Every (token, slot) pair with its own gathered expert weights: x [N, D], ids [N, k]
+        -> [N, k, D]. Cost grows with the active experts only, with no data-dependent shapes."""
+        n, k = ids.shape
+        xs = x.unsqueeze(1).expand(n, k, -1).reshape(n * k, -1)
+        flat = ids.reshape(-1)
+
+        def proj(name, inp):
+            return batched_linear(inp, *self._proj(name, flat), self.fmt)
+
+        h = swiglu(proj("w1", xs), proj("w3", xs), self.limit)
+        out = proj("w2", (route.reshape(-1, 1) * h).to(x.dtype))
+        return out.view(n, k, -1)
+
+
+def _split_experts(module: Experts, state_dict, prefix, local_metadata) -> None:
+    for name in PROJECTIONS:
+        for suffix, key in (("weight", name), ("scale", f"{name}_scale")):
+            stacked = state_dict.pop(prefix + key, None)
+            if stacked is not None:
+                for e in range(module.n):
+                    state_dict[f"{prefix}{e}.{name}.{suffix}"] = stacked[e]
+
+
+def _stack_experts(module: Experts, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+    for name in PROJECTIONS:
+        for suffix, key in (("weight", name), ("scale", f"{name}_scale")):
+            keys = [f"{prefix}{e}.{name}.{suffix}" for e in range(module.n)]
+            if all(k in state_dict for k in keys):
+                state_dict[prefix + key] = torch.stack([state_dict.pop(k) for k in keys])
+
+
+class MoE(nn.Module):
+    def __init__(self, args: ModelArgs, n_experts: int, topk: int, dtype: torch.dtype):
+        super().__init__()
+        fmt = "fp8" if args.dtype == "fp8" else "dense"
+        expert_fmt = {"fp4": "fp4", "fp8": "fp8", "bf16": "dense", None: fmt}[args.expert_dtype]
+        self.n_experts = n_experts
+        self.gate = Gate(args, n_experts, topk, dtype)
+        self.experts = Experts(n_experts, args.dim, args.moe_inter_dim, expert_fmt, dtype, args.swiglu_limit)
+        self.shared_experts = Expert(args.dim, args.moe_inter_dim, fmt, dtype, args.swiglu_limit)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        route, ids = self.gate(x)
+        acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        if ids.numel() <= self.n_experts:
+            # Few tokens (decode): gather the active experts; add them in ascending expert order.
+            ids, order = ids.sort(dim=-1)
+            outs = self.experts.gathered(x, route.gather(1, order), ids)
+            for j in range(ids.shape[1]):
+                acc = acc + outs[:, j].float()
+        else:
+            for e in range(self.n_experts):
+                token, slot = torch.nonzero(ids == e, as_tuple=True)
+                if token.numel():
+                    acc.index_add_(0, token, self.experts.one(e, x[token], route[token, slot]).float())
+        acc = acc + self.shared_experts(x).float()
+        return acc.to(x.dtype).view(shape)

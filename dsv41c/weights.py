@@ -1,0 +1,186 @@
+"""Weights I/O: deterministic random init, checkpoint save, and `load_model` with strict checks.
+
+A checkpoint directory holds `config.json` (ModelArgs keys), `model.safetensors` (official
+parameter names, spec §3) and optionally `tokenizer.json`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from dsv41c import quant
+from dsv41c.config import ModelArgs
+from dsv41c.errors import CheckpointError
+from dsv41c.model import Transformer
+from dsv41c.tokenizer import Tokenizer
+
+CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE = "config.json", "model.safetensors", "tokenizer.json"
+PACKED_DTYPES = (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.float4_e2m1fn_x2)
+
+
+# ------------------------------------------------------------------------------------ init
+def _keeps_fp32_values(model: Transformer, name: str) -> bool:
+    """Parameters the spec stores in fp32; every other float parameter gets bf16-exact values,
+    so that a float32 model and its bfloat16 twin hold identical weights."""
+    if any(k in name for k in ("hc_attn_", "hc_ffn_", "attn_sink", "gate.bias", "markov_head.head")):
+        return True
+    if ".compressor.wkv." in name or ".compressor.wgate." in name:
+        return model.plan[int(name.split(".")[1])].ratio >= 2
+    return False
+
+
+def _init_values(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    def normal(std: float, mean: float = 0.0) -> torch.Tensor:
+        return torch.randn(shape, generator=gen) * std + mean
+
+    leaf = name.rsplit(".", 1)[-1]
+    if name.endswith("norm.weight"):
+        return normal(0.05, 1.0)
+    if leaf.endswith("_fn"):
+        return normal(shape[-1] ** -0.5)
+    if leaf.endswith("_base"):
+        return normal(0.5)
+    if leaf.endswith("_scale") and len(shape) == 1:
+        return normal(0.1, 0.5)
+    if leaf == "attn_sink":
+        return normal(1.0)
+    if name.endswith("gate.bias"):
+        return normal(0.1)
+    if leaf in ("q_weight", "k_weight"):
+        return normal(0.1, 1.0)
+    if name == "embed.weight" or name.endswith("engram.embed.weight") or name.endswith("markov_head.embed.weight"):
+        return normal(1.0)
+    return normal(shape[-1] ** -0.5)   # projections: unit-variance outputs
+
+
+@torch.no_grad()
+def init_weights(model: Transformer, seed: int = 0) -> Transformer:
+    """Deterministic, sensibly scaled random weights (same seed -> same weights, any dtype/device)."""
+    gen = torch.Generator().manual_seed(seed)
+    params = dict(model.named_parameters())
+    for name, p in params.items():
+        if p.dtype == torch.float8_e8m0fnu:
+            continue                                    # set together with its weight below
+        logical = tuple(p.shape[:-1]) + (p.shape[-1] * (2 if p.dtype == torch.float4_e2m1fn_x2 else 1),)
+        values = _init_values(name, logical, gen)
+        if p.dtype in (torch.float8_e4m3fn, torch.float4_e2m1fn_x2):
+            scale_name = name[:-len("weight")] + "scale" if name.endswith(".weight") else name + "_scale"
+            flat = values.flatten(0, -2)
+            if name.endswith("engram.embed.weight"):
+                w, s = quant.quantize_fp8_rows(flat)
+            elif p.dtype == torch.float8_e4m3fn:
+                w, s = quant.quantize_fp8_weight(flat)
+            else:
+                w, s = quant.quantize_fp4_weight(flat)
+            p.copy_(w.view(p.shape))
+            params[scale_name].copy_(s.view(params[scale_name].shape))
+            continue
+        if not _keeps_fp32_values(model, name):
+            values = values.bfloat16()
+        p.copy_(values)
+    return model
+
+
+def build_model(args: ModelArgs, *, seed: int | None = 0, dtype: torch.dtype = torch.float32,
+                kv_quant: bool = False, device: str | torch.device = "cpu",
+                tokenizer: Tokenizer | None = None) -> Transformer:
+    """A model from a config, with `init_weights(seed)` (or uninitialised storage if seed is None)."""
+    with torch.device(device):
+        model = Transformer(args, tokenizer, dtype=dtype, kv_quant=kv_quant)
+    if seed is not None:
+        init_weights(model, seed)
+    return model.eval()
+
+
+# ------------------------------------------------------------------------------------ save
+def _atomic_write(path: Path, write) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_checkpoint(model: Transformer, path: str | os.PathLike) -> Path:
+    """Write config.json, model.safetensors (official names, no aliases) and tokenizer.json."""
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    _atomic_write(out / WEIGHTS_FILE, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    _atomic_write(out / TOKENIZER_FILE, lambda tmp: model.tokenizer.backend.save(tmp))
+    _atomic_write(out / CONFIG_FILE, lambda tmp: Path(tmp).write_text(json.dumps(model.args.to_dict(), indent=2)))
+    return out
+
+
+# ------------------------------------------------------------------------------------ load
+def _aliases(args: ModelArgs) -> dict[str, str]:
+    return {f"mtp.{j}.{n}.weight": f"{n}.weight" for j in range(args.n_mtp_layers) for n in ("embed", "head")}
+
+
+def _convert(name: str, found: torch.Tensor, expected: torch.Tensor, source: str) -> torch.Tensor:
+    if tuple(found.shape) != tuple(expected.shape):
+        raise CheckpointError(f"{source}: tensor {name!r}: expected shape {tuple(expected.shape)}, "
+                              f"found {tuple(found.shape)}")
+    if expected.dtype in PACKED_DTYPES:
+        if found.dtype == expected.dtype:
+            return found
+        if expected.dtype == torch.float4_e2m1fn_x2 and found.dtype == torch.uint8:
+            return found.view(torch.float4_e2m1fn_x2)
+    elif found.dtype in (torch.bfloat16, torch.float16, torch.float32):
+        return found.to(expected.dtype)
+    raise CheckpointError(f"{source}: tensor {name!r}: expected dtype {expected.dtype}, found {found.dtype}")
+
+
+def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, kv_quant: bool = False,
+               device: str | torch.device = "cpu") -> Transformer:
+    """Load a checkpoint directory. Missing, unexpected, mis-shaped or mis-typed tensors raise
+    CheckpointError naming the tensor; a bad config raises ConfigError."""
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: not a checkpoint directory")
+    args = ModelArgs.from_json(root / CONFIG_FILE)
+    weights = root / WEIGHTS_FILE
+    if not weights.is_file():
+        raise CheckpointError(f"{weights}: weights file not found")
+    tok_file = root / TOKENIZER_FILE
+    tokenizer = Tokenizer.from_file(tok_file) if tok_file.is_file() else None
+    model = build_model(args, seed=None, dtype=dtype, kv_quant=kv_quant, device="meta", tokenizer=tokenizer)
+    expected = model.state_dict()
+    aliases = _aliases(args)
+    state: dict[str, torch.Tensor] = {}
+    try:
+        handle = safe_open(str(weights), framework="pt")
+    except Exception as e:   # safetensors raises its own error types
+        raise CheckpointError(f"{weights}: unreadable safetensors file ({e})") from None
+    with handle as f:
+        names = list(f.keys())
+        for name in names:
+            if name in aliases:
+                continue
+            if name not in expected:
+                raise CheckpointError(f"{weights}: unexpected tensor {name!r} (no such parameter)")
+            state[name] = _convert(name, f.get_tensor(name), expected[name], str(weights))
+        for alias, target in aliases.items():
+            if alias in names and target in state:
+                if not torch.equal(f.get_tensor(alias).to(state[target].dtype), state[target]):
+                    raise CheckpointError(f"{weights}: alias {alias!r} differs from {target!r}")
+    for name in expected:
+        if name not in state:
+            raise CheckpointError(f"{weights}: missing tensor {name!r}, expected shape "
+                                  f"{tuple(expected[name].shape)} {expected[name].dtype}")
+    model = model.to_empty(device=device)
+    model.load_state_dict(state, strict=True)
+    model.init_buffers()
+    return model.eval()
+
+
+__all__ = ["init_weights", "build_model", "save_checkpoint", "load_model"]
