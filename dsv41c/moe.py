@@ -81,8 +81,12 @@ class Experts(nn.Module):
         self.register_load_state_dict_pre_hook(_stack_experts)
 
     def _proj(self, name: str, e) -> tuple[torch.Tensor, torch.Tensor | None]:
-        scale = getattr(self, f"{name}_scale")
-        return getattr(self, name)[e], None if scale is None else scale[e]
+        weight, scale = getattr(self, name), getattr(self, f"{name}_scale")
+        if weight.dtype == torch.float4_e2m1fn_x2:      # no indexing kernels for fp4: go through bytes
+            weight = weight.view(torch.uint8)[e].view(torch.float4_e2m1fn_x2)
+        else:
+            weight = weight[e]
+        return weight, None if scale is None else scale[e]
 
     def one(self, e: int, x: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
         """Expert e on its tokens x [n, D] with routing weights [n] fp32."""

@@ -1,0 +1,157 @@
+"""`dsv41c run`: generate text with the eager model, from random weights or a checkpoint."""
+from __future__ import annotations
+
+import types
+import unicodedata
+from contextlib import contextmanager
+from enum import Enum
+from pathlib import Path
+from typing import Optional
+
+import torch
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+import dsv41c
+from dsv41c.errors import InputError
+from dsv41c.generate import GenerationResult, check_prompt, generate
+
+DEFAULT_CONFIG = Path("configs/tiny.json")
+CHECKPOINT_CONFIG = "config.json"
+CHECKPOINT_TOKENIZER = "tokenizer.json"
+
+
+class DType(str, Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
+class Device(str, Enum):
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+TORCH_DTYPES = {DType.float32: torch.float32, DType.bfloat16: torch.bfloat16}
+
+
+def register(app: typer.Typer) -> None:
+    app.command("run", no_args_is_help=False)(run)
+
+
+def run(
+    config: Optional[Path] = typer.Option(
+        None, "--config", metavar="PATH", show_default=f"{DEFAULT_CONFIG}, from the current directory",
+        help="Model config JSON; the weights are random, from --seed."),
+    model_dir: Optional[Path] = typer.Option(
+        None, "--model", metavar="DIR",
+        help="Checkpoint directory (config.json, model.safetensors, optional tokenizer.json) to load "
+             "instead of random weights. Not combined with --config or --tokenizer."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random weights."),
+    prompt: Optional[str] = typer.Option(None, "--prompt", help="Prompt text (a BOS is prepended)."),
+    prompt_ids: Optional[str] = typer.Option(
+        None, "--prompt-ids", metavar="IDS", help='Raw prompt token ids, e.g. "256,84,104"; instead of --prompt.'),
+    max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Tokens to generate."),
+    temperature: float = typer.Option(0.0, "--temperature", help="Sampling temperature; 0 is greedy."),
+    dtype: DType = typer.Option(DType.float32, "--dtype", help="Activation and weight dtype."),
+    kv_quant: bool = typer.Option(True, "--kv-quant/--no-kv-quant",
+                                  help="Apply the official KV fake-quantisation (FP8 window, FP4 compressed KV)."),
+    tokenizer: Optional[Path] = typer.Option(
+        None, "--tokenizer", metavar="PATH", show_default="the built-in byte-level tokenizer",
+        help="A tokenizer.json file."),
+    device: Optional[Device] = typer.Option(None, "--device", show_default="cuda if available, else cpu",
+                                            help="Where the model runs."),
+) -> None:
+    """Generate text: prefill the prompt, then decode --max-new-tokens tokens.
+
+    Prints the text, then the prefill and decode rates in tokens/s.
+    """
+    if prompt is not None and prompt_ids is not None:
+        raise InputError("--prompt and --prompt-ids: give one of them, not both")
+    if prompt is None and prompt_ids is None:
+        raise InputError("no prompt: give --prompt TEXT or --prompt-ids IDS")
+    if model_dir is not None and config is not None:
+        raise InputError(f"--model {model_dir} and --config {config}: a checkpoint carries its own config, "
+                         "give one of them")
+    if model_dir is not None and tokenizer is not None:
+        raise InputError(f"--model {model_dir} and --tokenizer {tokenizer}: a checkpoint carries its own "
+                         "tokenizer, give one of them")
+    target = resolve_device(device)
+
+    if model_dir is not None:
+        if not model_dir.is_dir():
+            raise InputError(f"--model {model_dir}: expected a checkpoint directory, found "
+                             f"{'a file' if model_dir.exists() else 'nothing'}")
+        args = dsv41c.ModelArgs.from_json(require_file(model_dir / CHECKPOINT_CONFIG, "--model"))
+        tok_file = model_dir / CHECKPOINT_TOKENIZER
+        tok = dsv41c.load_tokenizer(tok_file if tok_file.is_file() else None)
+    else:
+        config = config if config is not None else DEFAULT_CONFIG
+        args = dsv41c.ModelArgs.from_json(require_file(config, "--config"))
+        tok = dsv41c.load_tokenizer(require_file(tokenizer, "--tokenizer") if tokenizer is not None else None)
+
+    ids = parse_prompt_ids(prompt_ids) if prompt_ids is not None else tok.encode(prompt)
+    # Checked against the config before the (possibly long) model build.
+    check_prompt(types.SimpleNamespace(args=args), ids, max_new_tokens)
+
+    err = Console(stderr=True)
+    with progress_display(err) as progress:
+        what = f"loading {model_dir}" if model_dir is not None else f"building {config} (seed {seed})"
+        task = progress.add_task(f"{what} on {target}", total=None)
+        if model_dir is not None:
+            model = dsv41c.load_model(model_dir, dtype=TORCH_DTYPES[dtype], kv_quant=kv_quant, device=target)
+        else:
+            model = dsv41c.build_model(args, seed=seed, dtype=TORCH_DTYPES[dtype], kv_quant=kv_quant,
+                                       device=target, tokenizer=tok)
+        progress.remove_task(task)
+        task = progress.add_task("generating", total=max_new_tokens)
+        result = generate(model, ids, max_new_tokens, temperature=temperature, seed=seed,
+                          on_token=lambda _: progress.advance(task))
+
+    typer.echo(printable(result.text))
+    typer.echo(rates_line(result))
+
+
+def resolve_device(device: Optional[Device]) -> str:
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device is Device.cuda and not torch.cuda.is_available():
+        raise InputError("--device cuda: expected a CUDA device, found none (torch.cuda.is_available() is False)")
+    return device.value
+
+
+def require_file(path: Path, option: str) -> Path:
+    if not path.is_file():
+        found = "a directory" if path.is_dir() else "nothing"
+        raise InputError(f"{option} {path}: expected a file, found {found}")
+    return path
+
+
+def parse_prompt_ids(text: str) -> list[int]:
+    parts = [p for p in text.replace(",", " ").split() if p]
+    try:
+        return [int(p) for p in parts]
+    except ValueError:
+        bad = next(p for p in parts if not p.lstrip("+-").isdigit())
+        raise InputError(f"--prompt-ids: expected comma-separated integers, found {bad!r}") from None
+
+
+def printable(text: str) -> str:
+    """The text with control characters (other than newline and tab) shown as escapes, so that
+    random-weight output cannot drive the terminal."""
+    return "".join(c if c in "\n\t" or unicodedata.category(c) != "Cc" else repr(c)[1:-1] for c in text)
+
+
+def rates_line(result: GenerationResult) -> str:
+    decode_steps = max(len(result.new_ids) - 1, 0)
+    return (f"prefill: {len(result.prompt_ids)} tokens, {result.prefill_tok_s:.1f} tokens/s | "
+            f"decode: {decode_steps} tokens, {result.decode_tok_s:.1f} tokens/s "
+            f"({len(result.new_ids)} new tokens)")
+
+
+@contextmanager
+def progress_display(console: Console):
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        yield progress
