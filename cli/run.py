@@ -82,7 +82,10 @@ def run(
         if not model_dir.is_dir():
             raise InputError(f"--model {model_dir}: expected a checkpoint directory, found "
                              f"{'a file' if model_dir.exists() else 'nothing'}")
-        args = dsv41c.ModelArgs.from_json(require_file(model_dir / CHECKPOINT_CONFIG, "--model"))
+        if not (model_dir / CHECKPOINT_CONFIG).is_file():
+            raise InputError(f"--model {model_dir}: expected a checkpoint directory with {CHECKPOINT_CONFIG}, "
+                             f"found no {CHECKPOINT_CONFIG} there")
+        args = dsv41c.ModelArgs.from_json(model_dir / CHECKPOINT_CONFIG)
         tok_file = model_dir / CHECKPOINT_TOKENIZER
         tok = dsv41c.load_tokenizer(tok_file if tok_file.is_file() else None)
     else:
@@ -142,16 +145,22 @@ def printable(text: str) -> str:
     return "".join(c if c in "\n\t" or unicodedata.category(c) != "Cc" else repr(c)[1:-1] for c in text)
 
 
+def tokens(n: int) -> str:
+    return f"{n} token" if n == 1 else f"{n} tokens"
+
+
 def rates_line(result: GenerationResult) -> str:
+    # The first new token comes out of the prefill; each decode step adds one.
     decode_steps = max(len(result.new_ids) - 1, 0)
-    return (f"prefill: {len(result.prompt_ids)} tokens, {result.prefill_tok_s:.1f} tokens/s | "
-            f"decode: {decode_steps} tokens, {result.decode_tok_s:.1f} tokens/s "
-            f"({len(result.new_ids)} new tokens)")
+    return (f"{tokens(len(result.new_ids))} generated | "
+            f"prefill: {tokens(len(result.prompt_ids))}, {result.prefill_tok_s:.1f} tokens/s | "
+            f"decode: {tokens(decode_steps)}, {result.decode_tok_s:.1f} tokens/s")
 
 
 @contextmanager
 def progress_display(console: Console):
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=True) as progress:
+    # Off when stderr is not a terminal: there it would only leave a blank line behind.
+    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as progress:
         yield progress

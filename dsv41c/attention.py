@@ -79,6 +79,19 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
     return (acc / (den + torch.exp(sink - m)).unsqueeze(-1)).to(q.dtype)
 
 
+def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest scores along the last dim (unordered).
+
+    bf16 (the reference's dtype): torch's `topk(sorted=False)`, whose tie-breaking the reference
+    has and which depends on the tensor's width, so prefill and decode may pick different members
+    of a tie (spec §6.5). fp32 (the exact twin): ties go to the lower index, independent of the
+    width, so prefill and prefill+decode select the same entries.
+    """
+    if scores.dtype == torch.float32:
+        return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+    return scores.topk(k, dim=-1, sorted=False).indices
+
+
 # ------------------------------------------------------------------------------------ window lists
 def prefill_window_index(seqlen: int, window: int, device: torch.device) -> torch.Tensor:
     """[S, min(S,W)]: positions max(0,t-W+1)..t ascending, then -1 padding (rows of the chunk)."""
@@ -195,7 +208,7 @@ class Indexer(nn.Module):
         elif self.role.uses_candidates:
             scores = scores.masked_fill(~state.candidates, float("-inf"))
         k = min(self.topk, n_c)
-        idx = scores.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
+        idx = top_indices(scores, k).sort(dim=-1).values
         idx = torch.where(idx >= visible_len.view(1, s, 1), -1, idx + n_window)
         return idx.int()
 
@@ -209,7 +222,7 @@ class Indexer(nn.Module):
         newest = (visible_len - 1).div(bs, rounding_mode="floor")             # -1: nothing to pin
         pin = (torch.arange(n_blocks, device=scores.device) == newest.unsqueeze(1)).expand_as(block)
         block = block.masked_fill(pin, float("inf"))
-        top = block.topk(min(self.topk_blocks, n_blocks), dim=-1).indices
+        top = top_indices(block, min(self.topk_blocks, n_blocks))
         keep = torch.zeros_like(block, dtype=torch.bool).scatter(-1, top, True) & (block > float("-inf"))
         return keep.repeat_interleave(bs, dim=-1)[..., :n]
 

@@ -1,0 +1,19 @@
+# make run: generate 32 tokens with the tiny config. make test: the whole test suite.
+# Both create .venv on first use (and again when pyproject.toml changes).
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: run test
+
+run: $(VENV)/.installed
+	$(BIN)/dsv41c run --config configs/tiny.json --prompt "The quick brown fox" --max-new-tokens 32
+
+test: $(VENV)/.installed
+	$(BIN)/python -m pytest -q
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -e ".[test]"
+	touch $@

@@ -1,0 +1,181 @@
+"""The `dsv41c` command line: `dsv41c run` on the tiny config, and the one-red-line error policy."""
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import dsv41c
+from dsv41c.cli import run as run_module
+from dsv41c.cli.main import app
+from dsv41c.errors import InputError
+from dsv41c.generate import generate
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "configs" / "tiny.json"
+RATES = re.compile(r"^(\d+) tokens? generated \| prefill: (\d+) tokens?, [\d.]+ tokens/s \| "
+                   r"decode: (\d+) tokens?, [\d.]+ tokens/s$")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # The tiny model is all small ops: extra intra-op threads only add contention.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny_args():
+    return dsv41c.ModelArgs.from_json(TINY)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_args, tmp_path_factory):
+    return dsv41c.save_checkpoint(dsv41c.build_model(tiny_args, seed=0), tmp_path_factory.mktemp("ckpt"))
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """The GenerationResults the CLI produced, so tests can compare token ids."""
+    results = []
+
+    def recording_generate(*args, **kwargs):
+        results.append(generate(*args, **kwargs))
+        return results[-1]
+
+    monkeypatch.setattr(run_module, "generate", recording_generate)
+    return results
+
+
+def invoke(*args: str, env: dict | None = None):
+    return CliRunner().invoke(app, ["run", "--device", "cpu", *args], env=env)
+
+
+def assert_error(result, *fragments: str) -> str:
+    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.output
+    for fragment in fragments:
+        assert fragment in lines[0]
+    assert result.stdout == ""
+    return lines[0]
+
+
+def test_run_tiny_prints_text_then_rates(tiny_args, recorded):
+    result = invoke("--config", str(TINY), "--prompt", "Hi", "--max-new-tokens", "4")
+    assert result.exit_code == 0, (result.output, result.exception)
+
+    expected = generate(dsv41c.build_model(tiny_args, seed=0, kv_quant=True), [256, 72, 105], 4)
+    assert recorded[0].prompt_ids == [256, 72, 105]
+    assert recorded[0].new_ids == expected.new_ids and len(expected.new_ids) == 4
+    assert result.stdout == run_module.printable(expected.text) + "\n" + run_module.rates_line(recorded[0]) + "\n"
+    rates = RATES.match(result.stdout.splitlines()[-1])
+    assert rates and rates.groups() == ("4", "3", "3")
+
+
+def test_checkpoint_gives_the_tokens_of_random_init(checkpoint, recorded):
+    ids = "256,84,104,101,32,113"
+    from_checkpoint = invoke("--model", str(checkpoint), "--prompt-ids", ids, "--max-new-tokens", "5")
+    from_seed = invoke("--config", str(TINY), "--seed", "0", "--prompt-ids", ids, "--max-new-tokens", "5")
+    assert from_checkpoint.exit_code == 0 and from_seed.exit_code == 0, (from_checkpoint.output, from_seed.output)
+    assert recorded[0].new_ids == recorded[1].new_ids and len(recorded[0].new_ids) == 5
+    assert from_checkpoint.stdout.splitlines()[:-1] == from_seed.stdout.splitlines()[:-1]
+
+
+def test_other_seed_and_no_kv_quant_run(recorded):
+    result = invoke("--config", str(TINY), "--seed", "1", "--prompt", "a", "--max-new-tokens", "2",
+                    "--no-kv-quant", "--dtype", "bfloat16", "--temperature", "0.8")
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert len(recorded[0].new_ids) == 2
+
+
+def test_prompt_id_outside_vocabulary():
+    assert_error(invoke("--config", str(TINY), "--prompt-ids", "256,72,259"), "259", "0..258")
+
+
+def test_prompt_ids_not_integers():
+    assert_error(invoke("--config", str(TINY), "--prompt-ids", "256,x"), "--prompt-ids", "'x'")
+
+
+def test_missing_config_file(tmp_path):
+    assert_error(invoke("--config", str(tmp_path / "nope.json"), "--prompt", "a"), "nope.json")
+
+
+def test_default_config_is_relative_to_the_current_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert_error(invoke("--prompt", "a"), "--config configs/tiny.json", "found nothing")
+
+
+def test_config_with_unknown_key(tmp_path):
+    raw = json.loads(TINY.read_text())
+    raw["bogus_key"] = 1
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(raw))
+    assert_error(invoke("--config", str(path), "--prompt", "a"), "bogus_key", "bad.json")
+
+
+def test_missing_tokenizer_file(tmp_path):
+    assert_error(invoke("--config", str(TINY), "--tokenizer", str(tmp_path / "t.json"), "--prompt", "a"), "t.json")
+
+
+@pytest.mark.parametrize("extra", [
+    ["--prompt-ids", ",".join(["72"] * 300)],
+    ["--prompt", "a", "--max-new-tokens", "300"],
+])
+def test_prompt_longer_than_max_seq_len(extra):
+    assert_error(invoke("--config", str(TINY), *extra), "max_seq_len=256")
+
+
+def test_short_max_seq_len_config(tmp_path):
+    raw = json.loads(TINY.read_text())
+    raw["max_seq_len"] = 8
+    path = tmp_path / "short.json"
+    path.write_text(json.dumps(raw))
+    assert_error(invoke("--config", str(path), "--prompt", "far too long a prompt"), "max_seq_len=8")
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--prompt", "a", "--prompt-ids", "1"], "--prompt-ids"),
+    ([], "no prompt"),
+    (["--config", str(TINY), "--model", ".", "--prompt", "a"], "--model"),
+])
+def test_conflicting_or_missing_options(args, fragment):
+    assert_error(invoke(*args), fragment)
+
+
+def test_model_directory_without_checkpoint(tmp_path):
+    assert_error(invoke("--model", str(tmp_path), "--prompt", "a"), "config.json")
+
+
+def test_debug_env_shows_the_exception():
+    result = invoke("--config", str(TINY), "--prompt-ids", "999", env={"DSV41C_DEBUG": "1"})
+    assert result.exit_code == 1 and isinstance(result.exception, InputError)
+
+
+def test_help_and_version():
+    runner = CliRunner()
+    result = runner.invoke(app, ["--help"])
+    assert result.exit_code == 0 and "run" in result.stdout
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.stdout.strip() == f"dsv41c {dsv41c.__version__}"
+
+
+def test_console_script_exit_code_and_stderr(tmp_path):
+    """The installed entry point (`dsv41c.cli.main:app`) as a real process: exit 2, one line."""
+    script = Path(sys.executable).with_name("dsv41c")
+    command = [str(script)] if script.is_file() else [sys.executable, "-m", "dsv41c.cli.main"]
+    env = {k: v for k, v in os.environ.items() if k != "DSV41C_DEBUG"}
+    proc = subprocess.run([*command, "run", "--config", str(tmp_path / "missing.json"), "--prompt", "a"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --config") and "missing.json" in lines[0], proc.stderr
