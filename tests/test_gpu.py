@@ -1,0 +1,59 @@
+"""CUDA runs of the eager model (marked gpu; skipped without a CUDA device)."""
+from pathlib import Path
+
+import pytest
+import torch
+
+import dsv41c
+from dsv41c.generate import generate
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+@pytest.fixture(autouse=True)
+def no_tf32():
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+def rel_err(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def test_tiny_cuda_matches_cpu_fp32():
+    args = dsv41c.ModelArgs.from_json(CONFIGS / "tiny.json")
+    ids = torch.randint(0, 259, (2, 12))
+    cpu = dsv41c.build_model(args, seed=0, dtype=torch.float32)
+    gpu = dsv41c.build_model(args, seed=0, dtype=torch.float32, device="cuda")
+    with torch.no_grad():
+        a = gpu(ids.cuda(), 0, full_logits=True).cpu()
+        b = cpu(ids, 0, full_logits=True)
+        assert rel_err(a, b) < 1e-4
+        step_a = gpu(ids[:, :1].cuda(), 12).cpu()
+        step_b = cpu(ids[:, :1], 12)
+        assert rel_err(step_a, step_b) < 1e-4
+
+
+def test_tiny_cuda_bf16_with_kv_quant_runs_and_drafts():
+    args = dsv41c.ModelArgs.from_json(CONFIGS / "tiny.json")
+    model = dsv41c.build_model(args, seed=0, dtype=torch.bfloat16, kv_quant=True, device="cuda")
+    ids = torch.randint(0, 259, (2, 40), device="cuda")
+    with torch.no_grad():
+        logits, hidden = model(ids, 0, return_hidden=True)
+        model.draft(logits.argmax(-1), hidden, 0)
+        token = logits.argmax(-1)
+        logits, hidden = model(token.view(2, 1), 40, return_hidden=True)
+        out, dl, conf = model.draft(logits.argmax(-1), hidden, 40)
+    assert torch.isfinite(logits).all() and torch.isfinite(dl).all() and out.shape[1] == args.dspark_block_size + 1
+
+
+def test_small_generates_on_cuda():
+    args = dsv41c.ModelArgs.from_json(CONFIGS / "small.json")
+    model = dsv41c.build_model(args, seed=0, dtype=torch.bfloat16, kv_quant=True, device="cuda")
+    result = generate(model, model.tokenizer.encode("The quick brown fox " * 20), 16)
+    assert len(result.new_ids) == 16
+    print(f"small on CUDA bf16: prefill {result.prefill_tok_s:.0f} tok/s, decode {result.decode_tok_s:.1f} tok/s")
