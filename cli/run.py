@@ -1,7 +1,6 @@
 """`dsv41c run`: generate text with the eager model, from random weights or a checkpoint."""
 from __future__ import annotations
 
-import types
 import unicodedata
 from contextlib import contextmanager
 from enum import Enum
@@ -47,7 +46,7 @@ def run(
         None, "--model", metavar="DIR",
         help="Checkpoint directory (config.json, model.safetensors, optional tokenizer.json) to load "
              "instead of random weights. Not combined with --config or --tokenizer."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the random weights."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random weights and of sampling."),
     prompt: Optional[str] = typer.Option(None, "--prompt", help="Prompt text (a BOS is prepended)."),
     prompt_ids: Optional[str] = typer.Option(
         None, "--prompt-ids", metavar="IDS", help='Raw prompt token ids, e.g. "256,84,104"; instead of --prompt.'),
@@ -95,7 +94,7 @@ def run(
 
     ids = parse_prompt_ids(prompt_ids) if prompt_ids is not None else tok.encode(prompt)
     # Checked against the config before the (possibly long) model build.
-    check_prompt(types.SimpleNamespace(args=args), ids, max_new_tokens)
+    check_prompt(args, ids, max_new_tokens)
 
     err = Console(stderr=True)
     with progress_display(err) as progress:

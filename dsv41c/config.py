@@ -115,8 +115,10 @@ class ModelArgs:
                 raw = json.load(fh)
         except FileNotFoundError:
             raise ConfigError(f"{path}: config file not found") from None
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read the config ({e.strerror or e})") from None
         return cls.from_dict(raw, source=path)
 
     def to_dict(self) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from typing import Callable
 
 import torch
 
+from dsv41c.config import ModelArgs
 from dsv41c.errors import InputError
 from dsv41c.model import Transformer
 from dsv41c.nn import sample
@@ -31,8 +32,9 @@ class GenerationResult:
         return steps / self.decode_s if self.decode_s else 0.0
 
 
-def check_prompt(model: Transformer, prompt_ids: list[int], max_new_tokens: int) -> None:
-    a = model.args
+def check_prompt(args: ModelArgs, prompt_ids: list[int], max_new_tokens: int) -> None:
+    """Reject a prompt the model cannot run, before any work is done."""
+    a = args
     if not prompt_ids:
         raise InputError("prompt: empty (no tokens to prefill)")
     bad = [t for t in prompt_ids if not 0 <= t < a.vocab_size]
@@ -55,7 +57,7 @@ def generate(model: Transformer, prompt_ids: list[int], max_new_tokens: int, *, 
     `on_token` is called after every new token (progress display). Timings are wall-clock,
     synchronised on CUDA.
     """
-    check_prompt(model, prompt_ids, max_new_tokens)
+    check_prompt(model.args, prompt_ids, max_new_tokens)
     device = model.device
     gen = torch.Generator(device=device).manual_seed(seed)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)

@@ -102,6 +102,9 @@ def build_model(args: ModelArgs, *, seed: int | None = 0, dtype: torch.dtype = t
 def _atomic_write(path: Path, write) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)        # mkstemp makes 0600; give the file the usual mode
     try:
         write(tmp)
         os.replace(tmp, path)
