@@ -28,6 +28,7 @@ class CallState:
     batch: int
     rope: dict[str, torch.Tensor]                       # "swa"/"compressed" -> [L, d_r/2, 2]
     cache: ModelCache
+    window: int = 0                                     # W, the ring size
     topk: dict[int, torch.Tensor] = field(default_factory=dict)   # index source -> [B,S,k'] int32
     candidates: torch.Tensor | None = None              # [B,S,n_c] bool, from the candidate source
     main_x: torch.Tensor | None = None                  # DSpark: backbone-derived input
@@ -114,10 +115,10 @@ def compress_len(state: CallState, ratio: int, device: torch.device) -> torch.Te
 
 def write_window(cache: LayerCache, kv: torch.Tensor, state: CallState) -> None:
     """Seed (prefill: the last min(S,W) positions) or update (decode) the ring, slot t mod W."""
-    w = cache.window.shape[1]
+    w = state.window
     n = min(state.seqlen, w)
     pos = torch.arange(state.start_pos + state.seqlen - n, state.start_pos + state.seqlen, device=kv.device)
-    cache.window[:state.batch, pos % w] = kv[:, -n:]
+    cache.window.write(pos % w, kv[:, -n:])
 
 
 # ------------------------------------------------------------------------------------ compressor
@@ -187,7 +188,7 @@ class Indexer(nn.Module):
         """Index keys from the un-rotated, un-quantised latents of groups g0, g0+1, ..."""
         n = latents.shape[1]
         k = self._fq(apply_rope(self.k_norm(self.wk(latents)), rope))
-        cache.index_keys[:latents.shape[0], g0:g0 + n] = k
+        cache.index_keys.write(slice(g0, g0 + n), k)
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, state: CallState, keys: torch.Tensor,
                 rope: torch.Tensor, n_window: int) -> torch.Tensor:
@@ -285,7 +286,7 @@ class Attention(nn.Module):
             kv_rows = kv
             idx = prefill_window_index(state.seqlen, self.window, x.device).expand(state.batch, -1, -1)
         else:
-            kv_rows = cache.window[:state.batch]
+            kv_rows = cache.window.read(state.batch)
             idx = decode_window_index(state.start_pos, self.window, x.device).expand(state.batch, 1, -1)
         if self.role.ratio > 0:
             kv_rows, idx = self.add_compressed(x, qr, rope, state, kv_rows, idx)
@@ -307,7 +308,7 @@ class Attention(nn.Module):
                 self.indexer.write_keys(latents, g0, entry_rope, caches[role.layer_id])
         if role.is_index_source:
             if n_c > 0:
-                key_cache = caches[role.kv_source].index_keys[:state.batch, :n_c]
+                key_cache = caches[role.kv_source].index_keys.read(state.batch, n_c)
                 state.topk[role.layer_id] = self.indexer(x, qr, state, key_cache, rope, kv_rows.shape[1])
             else:
                 state.topk[role.layer_id] = idx.new_zeros(state.batch, state.seqlen, 0)
@@ -315,8 +316,8 @@ class Attention(nn.Module):
             entries = apply_rope(latents, entry_rope)
             if self.kv_quant:
                 entries = quant.fp4_e4m3_fake_quant(entries, 16)
-            caches[role.layer_id].kv[:state.batch, g0:g0 + n_new] = entries
-        compressed = caches[role.kv_source].kv[:state.batch, :n_c]
+            caches[role.layer_id].kv.write(slice(g0, g0 + n_new), entries)
+        compressed = caches[role.kv_source].kv.read(state.batch, n_c)
         return torch.cat([kv_rows, compressed], dim=1), torch.cat([idx, state.topk[role.index_source]], dim=-1)
 
 
@@ -339,7 +340,7 @@ class DSparkAttention(Attention):
         beta = x.shape[1]
         rope = table[state.positions(1, beta)]
         q, _ = self.query(x, rope)
-        kv_rows = torch.cat([cache.window[:state.batch], self.window_kv(x, rope)], dim=1)
+        kv_rows = torch.cat([cache.window.read(state.batch), self.window_kv(x, rope)], dim=1)
         n_ring = min(self.window, state.start_pos + 1)
         lst = torch.cat([torch.arange(n_ring, device=x.device),
                          torch.arange(self.window, self.window + beta, device=x.device)]).int()

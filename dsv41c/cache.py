@@ -5,63 +5,113 @@ sources, the compressed KV, the index keys and the ratio>=2 partial-group state;
 per-sequence n-gram history for Engram. All are non-persistent buffers sized by
 `max_batch_size` and `max_seq_len`, so they never appear in checkpoints.
 
-Storage is plain (the compute dtype, fake-quantised values when `kv_quant` is on). Keeping all
-reads and writes behind this module is what lets a later pass switch the storage to packed FP8/FP4,
-save/restore it, or fill the decoder part from a bounded replay.
+Every read and write goes through `RowStore`, so the storage format is a property of the cache:
+plain rows in the compute dtype, or the packed deployment formats of spec §10.5. The same narrow
+interface is what save/restore and bounded replay build on.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from dsv41c import quant
 from dsv41c.config import LayerRole, ModelArgs
+
+# Packed storage: format -> (quantise to packed, dequantise, values per byte, values per scale byte)
+CODECS = {
+    "fp8": (quant.fp8_quant_ref, quant.fp8_dequant_ref, 1, 32),             # window KV, 528 B / 512
+    "fp4_e4m3": (quant.fp4_e4m3_quant_ref, quant.fp4_e4m3_dequant_ref, 2, 16),   # compressed KV, 288 B
+    "mxfp4": (quant.mxfp4_quant_ref, quant.mxfp4_dequant_ref, 2, 32),       # index keys, 68 B / 128
+}
+STORAGES = ("plain", "packed")
+
+
+class RowStore(nn.Module):
+    """Vectors [B, rows, d]: plain (`data` in the compute dtype) or packed (`codes` and `scales`,
+    uint8, in one of CODECS). Packed rows read back exactly as the matching fake quantiser."""
+
+    def __init__(self, batch: int, rows: int, dim: int, dtype: torch.dtype, fmt: str | None):
+        super().__init__()
+        self.fmt, self.dtype = fmt, dtype
+        if fmt is None:
+            self.register_buffer("data", torch.zeros(batch, rows, dim, dtype=dtype), persistent=False)
+        else:
+            _, _, per_byte, block = CODECS[fmt]
+            self.register_buffer("codes", torch.zeros(batch, rows, dim // per_byte, dtype=torch.uint8),
+                                 persistent=False)
+            self.register_buffer("scales", torch.zeros(batch, rows, dim // block, dtype=torch.uint8),
+                                 persistent=False)
+
+    def write(self, rows, values: torch.Tensor) -> None:
+        """Store values [B, n, d] at `rows` (a slice or an index tensor of n rows)."""
+        b = values.shape[0]
+        if self.fmt is None:
+            self.data[:b, rows] = values
+        else:
+            codes, scales = CODECS[self.fmt][0](values)
+            self.codes[:b, rows] = codes
+            self.scales[:b, rows] = scales
+
+    def read(self, batch: int, n: int | None = None) -> torch.Tensor:
+        """Rows 0..n-1 (all rows by default) of the first `batch` sequences, [batch, n, d]."""
+        if self.fmt is None:
+            return self.data[:batch, :n]
+        return CODECS[self.fmt][1](self.codes[:batch, :n], self.scales[:batch, :n], self.dtype)
+
+    def reset(self) -> None:
+        for buf in self.buffers():
+            buf.zero_()
 
 
 class LayerCache(nn.Module):
     """State of one attention layer.
 
-    window       [B, W, d_h]        ring: position t lives in slot t mod W
-    kv           [B, L/rho, d_h]    compressed KV rows (kv sources)
-    index_keys   [B, L/rho, d_I]    index keys (kv sources that are also index sources)
+    window       [B, W, d_h]        ring: position t lives in slot t mod W       (packed: FP8)
+    kv           [B, L/rho, d_h]    compressed KV rows (kv sources)              (packed: FP4, E4M3/16)
+    index_keys   [B, L/rho, d_I]    index keys (kv sources that are index sources) (packed: MXFP4)
     group_kv     [B, rho, d_h] fp32 partial group values (kv sources with rho >= 2)
     group_score  [B, rho, d_h] fp32 partial group scores, -inf when empty
     """
 
-    def __init__(self, args: ModelArgs, role: LayerRole, dtype: torch.dtype):
+    def __init__(self, args: ModelArgs, role: LayerRole, dtype: torch.dtype, storage: str = "plain"):
         super().__init__()
-        b, w, d = args.max_batch_size, args.window_size, args.head_dim
-        self.register_buffer("window", torch.zeros(b, w, d, dtype=dtype), persistent=False)
-        self.has_kv = role.is_kv_source
-        self.has_index_keys = role.owns_index_keys
+        packed = storage == "packed"
+        b, d = args.max_batch_size, args.head_dim
+        self.window = RowStore(b, args.window_size, d, dtype, "fp8" if packed else None)
+        self.kv = self.index_keys = None
+        if role.is_kv_source:
+            rows = args.max_seq_len // role.ratio
+            self.kv = RowStore(b, rows, d, dtype, "fp4_e4m3" if packed else None)
+            if role.owns_index_keys:
+                self.index_keys = RowStore(b, rows, args.index_head_dim, dtype, "mxfp4" if packed else None)
         self.has_group = role.is_kv_source and role.ratio >= 2
-        if self.has_kv:
-            rows = args.max_seq_len // role.ratio
-            self.register_buffer("kv", torch.zeros(b, rows, d, dtype=dtype), persistent=False)
-        if self.has_index_keys:
-            rows = args.max_seq_len // role.ratio
-            self.register_buffer("index_keys", torch.zeros(b, rows, args.index_head_dim, dtype=dtype),
-                                 persistent=False)
         if self.has_group:
             self.register_buffer("group_kv", torch.zeros(b, role.ratio, d), persistent=False)
             self.register_buffer("group_score", torch.full((b, role.ratio, d), float("-inf")), persistent=False)
 
     def reset(self) -> None:
-        self.window.zero_()
-        if self.has_kv:
-            self.kv.zero_()
-        if self.has_index_keys:
-            self.index_keys.zero_()
+        for store in (self.window, self.kv, self.index_keys):
+            if store is not None:
+                store.reset()
         if self.has_group:
             self.group_kv.zero_()
             self.group_score.fill_(float("-inf"))
 
 
 class ModelCache(nn.Module):
-    """All layers' caches plus the n-gram id history [B, max_seq_len] (int64)."""
+    """All layers' caches plus the n-gram id history [B, max_seq_len] (int64).
 
-    def __init__(self, args: ModelArgs, plan: list[LayerRole], dtype: torch.dtype):
+    storage "plain": rows in the compute dtype (fake-quantised values when kv_quant is on).
+    storage "packed": the deployment formats (FP8 window, FP4 compressed KV, MXFP4 index keys);
+    it implies the KV quantisation numerics.
+    """
+
+    def __init__(self, args: ModelArgs, plan: list[LayerRole], dtype: torch.dtype, storage: str = "plain"):
         super().__init__()
-        self.layers = nn.ModuleList(LayerCache(args, role, dtype) for role in plan)
+        if storage not in STORAGES:
+            raise ValueError(f"kv storage: expected one of {STORAGES}, found {storage!r}")
+        self.storage = storage
+        self.layers = nn.ModuleList(LayerCache(args, role, dtype, storage) for role in plan)
         self.register_buffer("ngram", torch.zeros(args.max_batch_size, args.max_seq_len, dtype=torch.long),
                              persistent=False)
 
@@ -70,5 +120,14 @@ class ModelCache(nn.Module):
             layer.reset()
         self.ngram.zero_()
 
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers())
+    def nbytes(self) -> dict[str, int]:
+        """Bytes actually allocated, by part: global (compressed KV + index keys), window,
+        partial compressor groups, n-gram history."""
+        out = {"global": 0, "window": 0, "groups": 0, "ngram": self.ngram.numel() * self.ngram.element_size()}
+        for layer in self.layers:
+            for part, store in (("global", layer.kv), ("global", layer.index_keys), ("window", layer.window)):
+                if store is not None:
+                    out[part] += sum(t.numel() * t.element_size() for t in store.buffers())
+            if layer.has_group:
+                out["groups"] += sum(t.numel() * t.element_size() for t in (layer.group_kv, layer.group_score))
+        return out

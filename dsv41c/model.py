@@ -89,13 +89,17 @@ class Transformer(nn.Module):
     dtype: torch.bfloat16 follows the reference rounding points; torch.float32 is the exact twin.
     kv_quant: apply the official KV fake-quantisation (FP8 window, FP4 compressed KV, MXFP4 index
     q/k). GEMM input quantisation follows the weight storage (`dtype: "fp8"`) regardless.
+    kv_storage: "plain" caches hold compute-dtype rows; "packed" holds the deployment byte formats
+    (needs kv_quant; the logits are identical, the cache is ~3.6x smaller).
     """
 
     def __init__(self, args: ModelArgs, tokenizer: Tokenizer | None = None, *,
-                 dtype: torch.dtype = torch.bfloat16, kv_quant: bool = True):
+                 dtype: torch.dtype = torch.float32, kv_quant: bool = False, kv_storage: str = "plain"):
         super().__init__()
         if dtype not in (torch.float32, torch.bfloat16):
             raise InputError(f"dtype: expected torch.float32 or torch.bfloat16, found {dtype}")
+        if kv_storage == "packed" and not kv_quant:
+            raise InputError("kv_storage='packed' stores the quantised formats: it needs kv_quant=True")
         self.args, self.dtype, self.kv_quant = args, dtype, kv_quant
         self.plan = build_layer_plan(args)
         self.tokenizer = tokenizer if tokenizer is not None else Tokenizer.byte_level()
@@ -114,7 +118,7 @@ class Transformer(nn.Module):
             from dsv41c.dspark import DSparkStage
             self.mtp = nn.ModuleList(DSparkStage(args, self.plan[args.n_layers + j], j, dtype, kv_quant)
                                      for j in range(args.n_mtp_layers))
-        self.cache = ModelCache(args, self.plan, dtype)
+        self.cache = ModelCache(args, self.plan, dtype, kv_storage)
         half = args.rope_head_dim // 2
         self.register_buffer("rope_swa", torch.empty(args.max_seq_len + args.dspark_block_size, half, 2),
                              persistent=False)
@@ -160,7 +164,7 @@ class Transformer(nn.Module):
 
     def call_state(self, batch: int, seqlen: int, start_pos: int) -> CallState:
         return CallState(start_pos, seqlen, batch, {"swa": self.rope_swa, "compressed": self.rope_compressed},
-                         self.cache)
+                         self.cache, self.args.window_size)
 
     # ---------------------------------------------------------------- forward
     def forward(self, input_ids: torch.Tensor, start_pos: int = 0, full_logits: bool = False,

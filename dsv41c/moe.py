@@ -148,8 +148,7 @@ class MoE(nn.Module):
                 acc = acc + outs[:, j].float()
         else:
             for e in range(self.n_experts):
-                token, slot = torch.nonzero(ids == e, as_tuple=True)
-                if token.numel():
-                    acc.index_add_(0, token, self.experts.one(e, x[token], route[token, slot]).float())
+                token, slot = torch.nonzero(ids == e, as_tuple=True)     # may be empty: a 0-row GEMM
+                acc.index_add_(0, token, self.experts.one(e, x[token], route[token, slot]).float())
         acc = acc + self.shared_experts(x).float()
         return acc.to(x.dtype).view(shape)

@@ -89,10 +89,10 @@ def init_weights(model: Transformer, seed: int = 0) -> Transformer:
 
 def build_model(args: ModelArgs, *, seed: int | None = 0, dtype: torch.dtype = torch.float32,
                 kv_quant: bool = False, device: str | torch.device = "cpu",
-                tokenizer: Tokenizer | None = None) -> Transformer:
+                tokenizer: Tokenizer | None = None, kv_storage: str = "plain") -> Transformer:
     """A model from a config, with `init_weights(seed)` (or uninitialised storage if seed is None)."""
     with torch.device(device):
-        model = Transformer(args, tokenizer, dtype=dtype, kv_quant=kv_quant)
+        model = Transformer(args, tokenizer, dtype=dtype, kv_quant=kv_quant, kv_storage=kv_storage)
     if seed is not None:
         init_weights(model, seed)
     return model.eval()
@@ -113,15 +113,42 @@ def _atomic_write(path: Path, write) -> None:
         raise
 
 
-def save_checkpoint(model: Transformer, path: str | os.PathLike) -> Path:
-    """Write config.json, model.safetensors (official names, no aliases) and tokenizer.json."""
+def save_checkpoint(model: Transformer, path: str | os.PathLike, dtype: str | None = None) -> Path:
+    """Write config.json, model.safetensors (official names, no aliases) and tokenizer.json.
+
+    dtype=None keeps the model's storage. dtype="fp8" writes the released format: every Q-Linear as
+    float8_e4m3fn with float8_e8m0fnu 32x32 block scales and the routed experts as MXFP4
+    (expert_dtype "fp4"); the other tensors are kept.
+    """
+    if dtype not in (None, "fp8"):
+        raise ValueError(f"save_checkpoint: dtype must be None or 'fp8', found {dtype!r}")
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    args, tensors = model.args, model.state_dict()
+    if dtype == "fp8" and (args.dtype, args.expert_dtype) != ("fp8", "fp4"):
+        args, tensors = _to_released_format(model, tensors)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
     _atomic_write(out / WEIGHTS_FILE, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
     _atomic_write(out / TOKENIZER_FILE, lambda tmp: model.tokenizer.backend.save(tmp))
-    _atomic_write(out / CONFIG_FILE, lambda tmp: Path(tmp).write_text(json.dumps(model.args.to_dict(), indent=2)))
+    _atomic_write(out / CONFIG_FILE, lambda tmp: Path(tmp).write_text(json.dumps(args.to_dict(), indent=2)))
     return out
+
+
+def _to_released_format(model: Transformer, tensors: dict[str, torch.Tensor]):
+    args = model.args.replace(dtype="fp8", expert_dtype="fp4")
+    expected = build_model(args, seed=None, device="meta", tokenizer=model.tokenizer).state_dict()
+    out = {}
+    for name, want in expected.items():
+        have = tensors.get(name)
+        if have is not None and have.dtype == want.dtype:
+            out[name] = have
+        elif want.dtype in (torch.float8_e4m3fn, torch.float4_e2m1fn_x2):
+            source = tensors[name].float()
+            w, s = (quant.quantize_fp8_weight if want.dtype == torch.float8_e4m3fn else quant.quantize_fp4_weight)(source)
+            out[name], out[name[:-len("weight")] + "scale"] = w, s
+        elif name not in out:
+            out[name] = have
+    return args, out
 
 
 # ------------------------------------------------------------------------------------ load
@@ -144,7 +171,7 @@ def _convert(name: str, found: torch.Tensor, expected: torch.Tensor, source: str
 
 
 def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, kv_quant: bool = False,
-               device: str | torch.device = "cpu") -> Transformer:
+               device: str | torch.device = "cpu", kv_storage: str = "plain") -> Transformer:
     """Load a checkpoint directory. Missing, unexpected, mis-shaped or mis-typed tensors raise
     CheckpointError naming the tensor; a bad config raises ConfigError."""
     root = Path(path)
@@ -156,7 +183,8 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, kv_q
         raise CheckpointError(f"{weights}: weights file not found")
     tok_file = root / TOKENIZER_FILE
     tokenizer = Tokenizer.from_file(tok_file) if tok_file.is_file() else None
-    model = build_model(args, seed=None, dtype=dtype, kv_quant=kv_quant, device="meta", tokenizer=tokenizer)
+    model = build_model(args, seed=None, dtype=dtype, kv_quant=kv_quant, device="meta", tokenizer=tokenizer,
+                        kv_storage=kv_storage)
     expected = model.state_dict()
     aliases = _aliases(args)
     state: dict[str, torch.Tensor] = {}

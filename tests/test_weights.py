@@ -3,6 +3,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import dsv41c
+from dsv41c import quant
 from dsv41c import CheckpointError, ModelArgs
 from dsv41c.weights import CONFIG_FILE, WEIGHTS_FILE
 
@@ -138,3 +139,27 @@ def test_missing_files(tmp_path, checkpoint):
     (only_config / WEIGHTS_FILE).write_bytes(b"garbage")
     with pytest.raises(CheckpointError, match="unreadable"):
         dsv41c.load_model(only_config)
+
+
+def test_save_as_released_fp8_format(args, tmp_path):
+    model = dsv41c.build_model(args, seed=4)
+    dsv41c.save_checkpoint(model, tmp_path, dtype="fp8")
+    tensors = load_file(tmp_path / WEIGHTS_FILE)
+    assert tensors["layers.3.attn.wq_b.weight"].dtype == torch.float8_e4m3fn
+    assert tensors["layers.3.attn.wq_b.scale"].shape == (args.n_heads * args.head_dim // 32, args.q_lora_rank // 32)
+    assert tensors["layers.3.ffn.experts.2.w2.weight"].dtype == torch.float4_e2m1fn_x2
+    assert tensors["layers.3.ffn.experts.2.w2.scale"].shape == (args.dim, args.moe_inter_dim // 32)
+    assert tensors["layers.3.attn.wo_a.weight"].dtype == torch.float32          # never quantised
+    assert tensors["layers.1.attn.compressor.wkv.weight"].dtype == torch.float32
+    loaded = dsv41c.load_model(tmp_path, dtype=torch.float32)
+    assert loaded.args.dtype == "fp8" and loaded.args.expert_dtype == "fp4"
+    ids = prompt(24)
+    with torch.no_grad():
+        a, b = loaded(ids, 0, full_logits=True), model(ids, 0, full_logits=True)
+    assert torch.isfinite(a).all()
+    # FP8/FP4 weights and FP8 activations perturb the random model's logits, but keep them aligned
+    assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.9
+    # the dequantised weight equals the source within one FP8 step of its block
+    w = quant.dequant_fp8_weight(tensors["layers.3.attn.wq_b.weight"], tensors["layers.3.attn.wq_b.scale"])
+    src = model.layers[3].attn.wq_b.weight
+    assert ((w - src).abs() <= src.abs().amax() / 16).all()
