@@ -55,6 +55,8 @@ def run(
     dtype: DType = typer.Option(DType.float32, "--dtype", help="Activation and weight dtype."),
     kv_quant: bool = typer.Option(True, "--kv-quant/--no-kv-quant",
                                   help="Apply the official KV fake-quantisation (FP8 window, FP4 compressed KV)."),
+    packed_kv: bool = typer.Option(False, "--packed-kv/--plain-kv",
+                                   help="Hold the KV caches in the packed deployment formats (needs --kv-quant)."),
     tokenizer: Optional[Path] = typer.Option(
         None, "--tokenizer", metavar="PATH", show_default="the built-in byte-level tokenizer",
         help="A tokenizer.json file."),
@@ -76,6 +78,9 @@ def run(
         raise InputError(f"--model {model_dir} and --tokenizer {tokenizer}: a checkpoint carries its own "
                          "tokenizer, give one of them")
     target = resolve_device(device)
+    storage = "packed" if packed_kv else "plain"
+    if packed_kv and not kv_quant:
+        raise InputError("--packed-kv stores the quantised formats: it needs --kv-quant")
 
     if model_dir is not None:
         if not model_dir.is_dir():
@@ -101,10 +106,11 @@ def run(
         what = f"loading {model_dir}" if model_dir is not None else f"building {config} (seed {seed})"
         task = progress.add_task(f"{what} on {target}", total=None)
         if model_dir is not None:
-            model = dsv41c.load_model(model_dir, dtype=TORCH_DTYPES[dtype], kv_quant=kv_quant, device=target)
+            model = dsv41c.load_model(model_dir, dtype=TORCH_DTYPES[dtype], kv_quant=kv_quant, device=target,
+                                      kv_storage=storage)
         else:
             model = dsv41c.build_model(args, seed=seed, dtype=TORCH_DTYPES[dtype], kv_quant=kv_quant,
-                                       device=target, tokenizer=tok)
+                                       device=target, tokenizer=tok, kv_storage=storage)
         progress.remove_task(task)
         task = progress.add_task("generating", total=max_new_tokens)
         result = generate(model, ids, max_new_tokens, temperature=temperature, seed=seed,
