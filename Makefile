@@ -11,7 +11,7 @@ run: $(VENV)/.installed
 	$(BIN)/dsv41c run --config configs/tiny.json --prompt "The quick brown fox" --max-new-tokens 32
 
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -q
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/python -m pytest -q
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

@@ -17,7 +17,7 @@ from dsv41c.config import LayerRole, ModelArgs, build_layer_plan
 from dsv41c.engram_hash import EngramLayout, engram_hash_ids
 from dsv41c.errors import InputError
 from dsv41c.moe import MoE
-from dsv41c.nn import Linear, RMSNorm, rope_frequencies, rope_table
+from dsv41c.nn import Linear, RMSNorm, frozen_param, rope_frequencies, rope_table, show_logical_dtypes
 from dsv41c.tokenizer import Tokenizer
 
 
@@ -29,8 +29,9 @@ class Engram(nn.Module):
         m, d, e_d = args.hc_mult, args.dim, args.engram_head_dim
         self.eps = args.norm_eps
         self.embed = nn.Module()
-        self.embed.weight = nn.Parameter(torch.empty(rows, e_d, dtype=torch.float8_e4m3fn), requires_grad=False)
-        self.embed.scale = nn.Parameter(torch.empty(rows, e_d // 32, dtype=torch.float8_e8m0fnu), requires_grad=False)
+        self.embed.weight = frozen_param((rows, e_d), torch.float8_e4m3fn)
+        self.embed.scale = frozen_param((rows, e_d // 32), torch.float8_e8m0fnu)
+        show_logical_dtypes(self.embed, {"scale": torch.float8_e8m0fnu})
         self.wkv = Linear(args.engram_n_hash_cols * e_d, d * (m + 1), "fp8" if args.dtype == "fp8" else "dense", dtype)
         self.q_weight = nn.Parameter(torch.empty(m, d, dtype=dtype))
         self.k_weight = nn.Parameter(torch.empty(m, d, dtype=dtype))
@@ -39,7 +40,9 @@ class Engram(nn.Module):
         """h [B,S,m,D], hash_ids [B,S,C] -> h with gate_j * value added to every stream j."""
         from dsv41c.quant import dequant_fp8_rows
         b, s, m, d = h.shape
-        rows = dequant_fp8_rows(self.embed.weight[hash_ids], self.embed.scale[hash_ids]).to(h.dtype)
+        # gather raw bytes: the float8 storage dtypes have no indexing/codegen support everywhere
+        values, scales = self.embed.weight.view(torch.uint8), self.embed.scale.view(torch.uint8)
+        rows = dequant_fp8_rows(values[hash_ids], scales[hash_ids]).to(h.dtype)
         kv = self.wkv(rows.flatten(-2))
         key = kv[..., :m * d].float().unflatten(-1, (m, d))
         value = kv[..., m * d:].float()
@@ -216,5 +219,5 @@ class Transformer(nn.Module):
         return self.head.weight.device
 
     def num_parameters(self) -> int:
-        return sum(p.numel() * (2 if p.dtype == torch.float4_e2m1fn_x2 else 1) for p in self.parameters())
+        return sum(t.numel() * (2 if t.dtype == torch.float4_e2m1fn_x2 else 1) for t in self.state_dict().values())
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv41c.config import ModelArgs
-from dsv41c.nn import Linear, batched_linear, linear
+from dsv41c.nn import BYTE_STORED, Linear, batched_linear, frozen_param, linear, linear_storage
 
 PROJECTIONS = ("w1", "w2", "w3")
 
@@ -70,23 +70,24 @@ class Experts(nn.Module):
     def __init__(self, n: int, dim: int, inter: int, fmt: str, dtype: torch.dtype, limit: float):
         super().__init__()
         self.n, self.fmt, self.limit = n, fmt, limit
+        self.logical: dict[str, torch.dtype] = {}      # byte-stored tensors and their own dtype
         for name, (out_f, in_f) in {"w1": (inter, dim), "w2": (dim, inter), "w3": (inter, dim)}.items():
-            ref = Linear(in_f, out_f, fmt, dtype)
-            self.register_parameter(name, nn.Parameter(ref.weight.data.unsqueeze(0).repeat(n, 1, 1),
-                                                       requires_grad=fmt == "dense"))
-            scale = None if ref.scale is None else nn.Parameter(
-                ref.scale.data.unsqueeze(0).repeat(n, 1, 1), requires_grad=False)
-            self.register_parameter(f"{name}_scale", scale)
+            if fmt == "dense":
+                self.register_parameter(name, nn.Parameter(torch.empty(n, out_f, in_f, dtype=dtype)))
+                self.register_parameter(f"{name}_scale", None)
+                continue
+            storage = linear_storage(fmt, in_f, out_f)
+            for part, key in (("weight", name), ("scale", f"{name}_scale")):
+                shape, sdtype = storage[part]
+                self.register_parameter(key, frozen_param((n, *shape), sdtype))
+                if sdtype in BYTE_STORED:
+                    self.logical[key] = sdtype
         self.register_state_dict_post_hook(_split_experts)
         self.register_load_state_dict_pre_hook(_stack_experts)
 
     def _proj(self, name: str, e) -> tuple[torch.Tensor, torch.Tensor | None]:
         weight, scale = getattr(self, name), getattr(self, f"{name}_scale")
-        if weight.dtype == torch.float4_e2m1fn_x2:      # no indexing kernels for fp4: go through bytes
-            weight = weight.view(torch.uint8)[e].view(torch.float4_e2m1fn_x2)
-        else:
-            weight = weight[e]
-        return weight, None if scale is None else scale[e]
+        return weight[e], None if scale is None else scale[e]
 
     def one(self, e: int, x: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
         """Expert e on its tokens x [n, D] with routing weights [n] fp32."""
@@ -113,6 +114,8 @@ def _split_experts(module: Experts, state_dict, prefix, local_metadata) -> None:
         for suffix, key in (("weight", name), ("scale", f"{name}_scale")):
             stacked = state_dict.pop(prefix + key, None)
             if stacked is not None:
+                if key in module.logical:
+                    stacked = stacked.view(module.logical[key])
                 for e in range(module.n):
                     state_dict[f"{prefix}{e}.{name}.{suffix}"] = stacked[e]
 
@@ -122,7 +125,10 @@ def _stack_experts(module: Experts, state_dict, prefix, local_metadata, strict, 
         for suffix, key in (("weight", name), ("scale", f"{name}_scale")):
             keys = [f"{prefix}{e}.{name}.{suffix}" for e in range(module.n)]
             if all(k in state_dict for k in keys):
-                state_dict[prefix + key] = torch.stack([state_dict.pop(k) for k in keys])
+                parts = [state_dict.pop(k) for k in keys]
+                if key in module.logical:
+                    parts = [p.view(torch.uint8) for p in parts]
+                state_dict[prefix + key] = torch.stack(parts)
 
 
 class MoE(nn.Module):

@@ -59,6 +59,44 @@ def batched_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
     return torch.einsum("pi,poi->po", xq, dequant_weight(weight, scale, fmt)).to(x.dtype)
 
 
+# Packed dtypes without indexing or Inductor codegen support are held as raw bytes.
+BYTE_STORED = (torch.float8_e8m0fnu, torch.float4_e2m1fn_x2)
+
+
+def frozen_param(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
+    """A weight of a storage dtype (no gradients); BYTE_STORED dtypes are held as uint8."""
+    return nn.Parameter(torch.empty(shape, dtype=torch.uint8 if dtype in BYTE_STORED else dtype),
+                        requires_grad=False)
+
+
+def show_logical_dtypes(module: nn.Module, names: dict[str, torch.dtype]) -> None:
+    """Make `state_dict` show the byte-stored parameters `names` in their own dtype, and
+    `load_state_dict` accept them in that dtype (or as uint8)."""
+
+    def to_logical(mod, state_dict, prefix, local_metadata):
+        for name, dtype in names.items():
+            if prefix + name in state_dict:
+                state_dict[prefix + name] = state_dict[prefix + name].view(dtype)
+
+    def to_bytes(mod, state_dict, prefix, *unused):
+        for name, dtype in names.items():
+            t = state_dict.get(prefix + name)
+            if t is not None and t.dtype == dtype:
+                state_dict[prefix + name] = t.view(torch.uint8)
+
+    module.register_state_dict_post_hook(to_logical)
+    module.register_load_state_dict_pre_hook(to_bytes)
+
+
+def linear_storage(fmt: str, in_features: int, out_features: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Shapes and dtypes of a quantised linear's `weight` and `scale` (spec §3, §10)."""
+    if fmt == "fp8":
+        return {"weight": ((out_features, in_features), torch.float8_e4m3fn),
+                "scale": ((-(-out_features // 32), -(-in_features // 32)), torch.float8_e8m0fnu)}
+    return {"weight": ((out_features, in_features // 2), torch.float4_e2m1fn_x2),
+            "scale": ((out_features, in_features // 32), torch.float8_e8m0fnu)}
+
+
 class Linear(nn.Module):
     """A Linear without bias whose storage follows the config (`dtype` / `expert_dtype`).
 
@@ -74,16 +112,11 @@ class Linear(nn.Module):
         if fmt == "dense":
             self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
             self.register_parameter("scale", None)
-        elif fmt == "fp8":
-            self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn),
-                                       requires_grad=False)
-            self.scale = nn.Parameter(torch.empty(math.ceil(out_features / 32), math.ceil(in_features / 32),
-                                                  dtype=torch.float8_e8m0fnu), requires_grad=False)
-        elif fmt == "fp4":
-            self.weight = nn.Parameter(torch.empty(out_features, in_features // 2, dtype=torch.float4_e2m1fn_x2),
-                                       requires_grad=False)
-            self.scale = nn.Parameter(torch.empty(out_features, in_features // 32, dtype=torch.float8_e8m0fnu),
-                                      requires_grad=False)
+        elif fmt in ("fp8", "fp4"):
+            storage = linear_storage(fmt, in_features, out_features)
+            for name, (shape, sdtype) in storage.items():
+                self.register_parameter(name, frozen_param(shape, sdtype))
+            show_logical_dtypes(self, {n: d for n, (_, d) in storage.items() if d in BYTE_STORED})
         else:
             raise ValueError(f"unknown linear format {fmt!r}")
 

@@ -61,29 +61,32 @@ def _init_values(name: str, shape: tuple[int, ...], gen: torch.Generator) -> tor
 
 @torch.no_grad()
 def init_weights(model: Transformer, seed: int = 0) -> Transformer:
-    """Deterministic, sensibly scaled random weights (same seed -> same weights, any dtype/device)."""
+    """Deterministic, sensibly scaled random weights (same seed -> same weights, any dtype/device).
+
+    Walks the state dict (official names and storage dtypes; its tensors share the parameters'
+    storage), so quantised weights are drawn in fp32 and stored with their block scales.
+    """
     gen = torch.Generator().manual_seed(seed)
-    params = dict(model.named_parameters())
-    for name, p in params.items():
-        if p.dtype == torch.float8_e8m0fnu:
+    state = model.state_dict()
+    for name, t in state.items():
+        if t.dtype == torch.float8_e8m0fnu:
             continue                                    # set together with its weight below
-        logical = tuple(p.shape[:-1]) + (p.shape[-1] * (2 if p.dtype == torch.float4_e2m1fn_x2 else 1),)
+        logical = tuple(t.shape[:-1]) + (t.shape[-1] * (2 if t.dtype == torch.float4_e2m1fn_x2 else 1),)
         values = _init_values(name, logical, gen)
-        if p.dtype in (torch.float8_e4m3fn, torch.float4_e2m1fn_x2):
-            scale_name = name[:-len("weight")] + "scale" if name.endswith(".weight") else name + "_scale"
-            flat = values.flatten(0, -2)
+        if t.dtype in (torch.float8_e4m3fn, torch.float4_e2m1fn_x2):
+            scale = state[name[:-len("weight")] + "scale"]
             if name.endswith("engram.embed.weight"):
-                w, s = quant.quantize_fp8_rows(flat)
-            elif p.dtype == torch.float8_e4m3fn:
-                w, s = quant.quantize_fp8_weight(flat)
+                w, s = quant.quantize_fp8_rows(values)
+            elif t.dtype == torch.float8_e4m3fn:
+                w, s = quant.quantize_fp8_weight(values)
             else:
-                w, s = quant.quantize_fp4_weight(flat)
-            p.copy_(w.view(p.shape))
-            params[scale_name].copy_(s.view(params[scale_name].shape))
+                w, s = quant.quantize_fp4_weight(values)
+            t.view(torch.uint8).copy_(w.view(torch.uint8))
+            scale.view(torch.uint8).copy_(s.view(torch.uint8))
             continue
         if not _keeps_fp32_values(model, name):
             values = values.bfloat16()
-        p.copy_(values)
+        t.copy_(values)
     return model
 
 

@@ -61,8 +61,11 @@ def test_decode_window_index_naive(W):
 
 
 # ------------------------------------------------------------------ Compressor (§6.4)
-def _state(start_pos, seqlen, batch=2):
-    return CallState(start_pos, seqlen, batch, rope={}, cache=None)
+def _state(start_pos, seqlen, batch=2, window=16):
+    kw = dict(start_pos=start_pos, seqlen=seqlen, batch=batch, rope={}, cache=None)
+    if "window" in {f.name for f in dataclasses.fields(CallState)}:
+        kw["window"] = window
+    return CallState(**kw)
 
 
 def _kv_role(ratio, layer=1):
@@ -135,6 +138,17 @@ def test_compressor_ratio2_even_prefill_and_bf16(tiny_args, ref):
     assert g0 == 0 and lat.shape == (2, 3, args.head_dim) and lat.dtype == torch.bfloat16
     exp = _naive_pool(comp, x, [0, 1, 2], 2, args.norm_eps, ref)
     torch.testing.assert_close(lat.double(), exp, rtol=2e-2, atol=2e-2)
+    # rounding points: pooled (fp32) -> bf16 -> RMSNorm (fp32 math) -> bf16
+    xd = x.double()
+    a, s = xd @ comp.wkv.weight.double().T, xd @ comp.wgate.weight.double().T
+    pooled = torch.stack([(torch.exp(s[:, 2 * g]) * a[:, 2 * g] + torch.exp(s[:, 2 * g + 1]) * a[:, 2 * g + 1])
+                          / (torch.exp(s[:, 2 * g]) + torch.exp(s[:, 2 * g + 1])) for g in range(3)], dim=1)
+    exp_bf16 = ref.rmsnorm(pooled.float().to(torch.bfloat16), comp.norm.weight, args.norm_eps).to(torch.bfloat16)
+    # (the float64 emulation rounds pooled values that sit at a bf16 tie the other way now and
+    # then, so a few entries may be an ulp or two off; a missed rounding point changes ~half)
+    diff = (lat.double() - exp_bf16.double()).abs()
+    assert (diff <= 2 * ref.bf16_ulp(exp_bf16) + 1e-4).all()         # + slack for near-zero values
+    assert (diff == 0).double().mean() > 0.95
 
 
 def test_compressor_ratio2_per_channel_softmax_hand_case(tiny_args):
@@ -463,7 +477,7 @@ def test_sparse_attn_fp32_naive_with_sink_and_padding():
     # -1 entries are ignored: dropping them from the list changes nothing
     b_idx = idx[0, 1][idx[0, 1] >= 0].view(1, 1, -1)
     one = sparse_attn(q[:1, 1:2], kv[:1], sink, b_idx, d ** -0.5)
-    torch.testing.assert_close(one[0, 0], out[0, 1], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(one[0, 0], out[0, 1], rtol=1e-5, atol=1e-6)
 
 
 def test_sparse_attn_sink_only_in_denominator():
@@ -494,7 +508,9 @@ def test_sparse_attn_bf16_matches_block_emulation_and_fp32():
     emu = _kernel_emulation(q, kv, sink, idx, scale)
     diff = (out.double() - emu.double()).abs()
     ulp = 2.0 ** (torch.floor(torch.log2(emu.double().abs().clamp_min(1e-30))) - 7)
-    assert (diff <= ulp + 1e-30).all()                                # at most 1 bf16 ulp (fp32 sum order)
+    # at most 1 bf16 ulp, plus an absolute slack for outputs that are small through cancellation
+    # (the fp32 accumulation order of the emulation differs from the kernel's)
+    assert (diff <= ulp + 1e-6).all()
     assert (diff == 0).double().mean() > 0.9
     ref32 = sparse_attn(q.float(), kv.float(), sink, idx, scale)
     rel = (out.float() - ref32).norm() / ref32.norm()

@@ -154,8 +154,9 @@ def test_collapse_hand_case():
     assert torch.equal(y, torch.full((1, 1, 3), 19.0, dtype=torch.bfloat16))   # 1 + 1 + 1 + 16
 
 
-def test_collapse_fp32_sum_then_one_bf16_rounding(ref):
-    h = torch.randn(2, 5, 4, 64).to(torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_collapse_fp32_sum_then_one_bf16_rounding(ref, dtype):
+    h = torch.randn(2, 5, 4, 64).to(dtype)
     w = torch.rand(2, 5, 4) + 1e-6
     y = mhc.hc_collapse(h, w)
     # fp32 products added in stream order 0..3, then a single rounding to bf16
@@ -163,7 +164,8 @@ def test_collapse_fp32_sum_then_one_bf16_rounding(ref):
     acc = w[..., 0, None] * hf[..., 0, :]
     for j in range(1, 4):
         acc = acc + w[..., j, None] * hf[..., j, :]
-    assert torch.equal(y, acc.to(torch.bfloat16))
+    assert y.dtype == dtype
+    assert torch.equal(y, acc.to(dtype))
     torch.testing.assert_close(y.double(), ref.collapse(h, w), rtol=2 ** -8, atol=1e-6)
 
 
@@ -182,13 +184,15 @@ def test_expand_first_comb_index_is_source():
     assert out.view(-1).tolist() == [1005.0, 11.0, 10.0, 102.5]
 
 
-def test_expand_broadcast_sum_in_source_order_one_rounding(ref):
-    y = torch.randn(2, 3, 64).to(torch.bfloat16)
-    res = torch.randn(2, 3, 4, 64).to(torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_expand_broadcast_sum_in_source_order_one_rounding(ref, dtype):
+    # with fp32 streams the fp32 addition order is directly visible in the output bits
+    y = torch.randn(2, 3, 64).to(dtype)
+    res = torch.randn(2, 3, 4, 64).to(dtype)
     post = torch.rand(2, 3, 4) * 2
     comb = torch.rand(2, 3, 4, 4)
     out = mhc.hc_expand(y, res, post, comb)
-    assert out.dtype == torch.bfloat16 and out.shape == res.shape
+    assert out.dtype == dtype and out.shape == res.shape
     # [exactness] fp32: four products comb[i,j]*res[i] added in order i = 0..3, plus post[j]*y,
     # one rounding to bf16 at the end.
     rf, yf = res.float(), y.float()
@@ -198,7 +202,7 @@ def test_expand_broadcast_sum_in_source_order_one_rounding(ref):
         for i in range(1, 4):
             mixed = mixed + comb[..., i, j, None] * rf[..., i, :]
         outs.append(post[..., j, None] * yf + mixed)
-    assert torch.equal(out, torch.stack(outs, dim=-2).to(torch.bfloat16))
+    assert torch.equal(out, torch.stack(outs, dim=-2).to(dtype))
     torch.testing.assert_close(out.double(), ref.expand(y, res, post, comb), rtol=2 ** -8, atol=1e-6)
 
 

@@ -1,0 +1,412 @@
+"""TileLang kernels for the packed KV formats of MODEL.md §10: rows to packed bytes and back.
+
+Ops (`torch.ops.dsv41c.*`), x [..., n] fp32 or bf16, n a multiple of the format's block:
+  fp8_quant(x)      -> (E4M3 codes u8 [..., n], UE8M0 u8 [..., n/32])       512 -> 528 B (SWA KV)
+  fp4_e4m3_quant(x) -> (packed E2M1 u8 [..., n/2], E4M3 u8 [..., n/16])   512 -> 288 B (compressed KV)
+  mxfp4_quant(x)    -> (packed E2M1 u8 [..., n/2], UE8M0 u8 [..., n/32])  128 -> 68 B (index keys)
+  <fmt>_dequant(values, scales, dtype) -> [..., n] in dtype (float32 or bfloat16)
+E2M1 packing: element 2i in the low nibble, 2i+1 in the high nibble.
+
+The torch references are `dsv41c.quant.<fmt>_quant_ref` / `<fmt>_dequant_ref`; the kernels are bit
+identical to them, NaN policy included (a block with NaN or +-inf gets scale byte 0xFF (UE8M0) /
+0x7F (E4M3) and codes 0x7F (fp8) / 0 (fp4), so it dequantises to NaN).  Dequantised NaNs agree in
+position, not in payload bits.
+
+How the kernels compute.  The C target has no fp8/fp4/bf16 types, so everything is integer
+arithmetic on IEEE bit patterns, which also makes the CUDA and C builds agree by construction:
+  * block amax = integer max of (bits & 0x7fffffff); >= 0x7f800000 means a non-finite block;
+  * power-of-two scale: exponent of the fp32 product max(a, floor) * fp32(1/448 or 1/6), plus one
+    if any mantissa bit is set; values are scaled by the exact 2^-k, which rounds like x / 2^k;
+  * E4M3 scale of the fp4_e4m3 format: IEEE fp32 division a / 6 (as torch), then E4M3 encoding;
+    values are divided by that scale (IEEE division, as torch);
+  * E4M3 encoding: round-to-nearest-even with integer shifts (normal and subnormal range), after
+    clamping the magnitude to 448; E2M1: seven threshold comparisons (the spec's tie rule);
+  * dequant builds the fp32 value from the code bits and multiplies by the scale (fp32, exact
+    except in the subnormal range, where IEEE rounding matches torch); bf16 output is rounded from
+    the fp32 bits with integer round-to-nearest-even, as torch's scalar conversion does.
+No fast math on either target (TileLang 0.1.15 defaults: nvcc without --use_fast_math, g++ -O0).
+
+Layout of work: one scale block per program instance.  CUDA: 128 threads per CTA, one thread per
+block, grid over N * n/block.  C target: one program per row, a serial loop over its blocks (the C
+target has no threads).  N is a dynamic dimension (`T.dynamic`), so one build serves every row
+count; a build is cached per (format, direction, dtype, n, target).  bf16 buffers are declared
+`uint16` in the C build (the C codegen cannot print a bfloat16 type) and the op passes the tensor's
+zero-copy uint16 view; the CUDA build takes bfloat16 buffers.
+"""
+
+import concurrent.futures
+import functools
+
+import tilelang
+import tilelang.cpu.language as TC
+import tilelang.language as T
+import torch
+
+__all__ = ["FORMATS", "quant_prim_func", "build", "build_many", "fp8_quant", "fp8_dequant",
+           "fp4_e4m3_quant", "fp4_e4m3_dequant", "mxfp4_quant", "mxfp4_dequant"]
+
+FORMATS = {"fp8": 32, "fp4_e4m3": 16, "mxfp4": 32}  # format -> scale block along the last dim
+_CUDA_THREADS = 128
+
+
+def _f32_bits(v: float) -> int:
+    """IEEE bits of fp32(v), the constant torch uses for a Python float scalar in fp32 maths."""
+    return torch.tensor(v, dtype=torch.float32).view(torch.int32).item() & 0xFFFFFFFF
+
+
+# Float constants enter the kernels as bit patterns: the C codegen prints float immediates with
+# 7 significant digits, which would change fp32(1/448).
+_ABS, _INF, _NAN = 0x7FFFFFFF, 0x7F800000, 0x7FC00000
+_B448 = _f32_bits(448.0)
+_R448, _FP8_FLOOR = _f32_bits(1.0 / 448.0), _f32_bits(1e-4)
+_R6, _MX_FLOOR = _f32_bits(1.0 / 6.0), _f32_bits(6.0 * 2.0**-126)
+_E4M3_FLOOR, _SIX, _TWO_M9 = _f32_bits(6.0 * 2.0**-9), _f32_bits(6.0), _f32_bits(2.0**-9)
+# E2M1 decision points (bits of 0.25 ... 5.0); True: a tie goes up (MODEL.md §10.1).
+_E2M1_STEPS = tuple((_f32_bits(t), up) for t, up in ((0.25, False), (0.75, True), (1.25, False),
+                                                     (1.75, True), (2.5, False), (3.5, True),
+                                                     (5.0, False)))
+
+
+# --------------------------------------------------------------------------- expression helpers
+# Plain Python functions that build TIR expressions; called inside the kernels at trace time.
+# Selection is T.Select: T.if_then_else on these uint32 conditions makes TVM's bound analysis build
+# a negative uint32 literal and fail (TileLang 0.1.15).  Select evaluates both arms, so every arm is
+# kept free of undefined behaviour (shift counts in range, unsigned wrap-around only).
+
+def _u(v):
+    return T.uint32(v)
+
+
+def _f(bits):
+    return T.reinterpret(bits, "float32")
+
+
+def _bits(v):
+    """fp32 bit pattern (uint32) of an element of an fp32, bf16 or uint16-holding-bf16 buffer."""
+    if str(v.dtype) == "float32":
+        return T.reinterpret(v, "uint32")
+    if str(v.dtype) == "bfloat16":
+        v = T.reinterpret(v, "uint16")
+    return T.Cast("uint32", v) << _u(16)
+
+
+def _store(dtype, f32):
+    """The value stored for fp32 result f32 into a float32, bfloat16 or uint16 (bf16 bits) buffer."""
+    if dtype == "float32":
+        return f32
+    b = T.reinterpret(f32, "uint32")
+    rne = (b + _u(0x7FFF) + ((b >> _u(16)) & _u(1))) >> _u(16)  # c10::round_to_nearest_even
+    h = T.Cast("uint16", T.Select((b & _u(_ABS)) > _u(_INF), _u(0x7FC0), rne))
+    return h if dtype == "uint16" else T.reinterpret(h, "bfloat16")
+
+
+def _flag(cond):
+    return T.Cast("uint32", cond)
+
+
+def _pow2_scale_exp(amax, floor, recip):
+    """Biased exponent kb of s = 2^ceil(log2(max(a, floor) * recip)), read from the fp32 product."""
+    t = T.reinterpret(_f(T.max(amax, _u(floor))) * _f(_u(recip)), "uint32")
+    return ((t >> _u(23)) & _u(0xFF)) + _flag((t & _u(0x7FFFFF)) != _u(0))
+
+
+def _e4m3_code(u):
+    """E4M3 magnitude code (0..0x7e) of the non-negative fp32 with bits u <= bits(448), RNE."""
+    e = u >> _u(23)
+    m = (u & _u(0x7FFFFF)) | T.Select(e != _u(0), _u(0x800000), _u(0))
+    # subnormal range (u < 2^-6): code = RNE(u * 2^9) = RNE(m * 2^(e - 141)); shift kept in [21, 31]
+    sh = T.min(_u(141) - T.min(T.max(e, _u(1)), _u(120)), _u(31))
+    q = m >> sh
+    rem = m & ((_u(1) << sh) - _u(1))
+    half = _u(1) << (sh - _u(1))
+    sub = q + _flag((rem > half) | ((rem == half) & ((q & _u(1)) == _u(1))))
+    # normal range: rebias 127 -> 7 and round the 20 dropped mantissa bits to nearest even
+    nor = (u - _u(120 << 23) + _u(0x7FFFF) + ((u >> _u(20)) & _u(1))) >> _u(20)
+    return T.Select(u < _u(0x3C800000), sub, nor)
+
+
+def _e4m3_value(c):
+    """fp32 value of the E4M3 byte c (uint32 0..255): sign, subnormals, 0x7f/0xff -> NaN."""
+    mag = c & _u(0x7F)
+    e, m = mag >> _u(3), mag & _u(7)
+    sub = T.reinterpret(T.Cast("float32", m) * _f(_u(_TWO_M9)), "uint32")
+    nor = ((e + _u(120)) << _u(23)) | (m << _u(20))
+    v = T.Select(e == _u(0), sub, nor) | ((c & _u(0x80)) << _u(24))
+    return _f(T.Select(mag == _u(0x7F), _u(_NAN), v))
+
+
+def _e8m0_value(c):
+    """fp32 value of the UE8M0 byte c: 2^(c-127); 0 -> 2^-127 (subnormal), 255 -> NaN."""
+    v = T.Select(c == _u(0), _u(0x400000), c << _u(23))
+    return _f(T.Select(c == _u(255), _u(_NAN), v))
+
+
+def _e2m1_code(v_bits):
+    """E2M1 magnitude code 0..7 of the non-negative fp32 with bits v_bits (>= 6 -> 7, NaN -> 7)."""
+    code = _u(0)
+    for t, tie_up in _E2M1_STEPS:
+        code = code + _flag((v_bits >= _u(t)) if tie_up else (v_bits > _u(t)))
+    return code
+
+
+def _e2m1_value(c):
+    """fp32 value of the E2M1 code in the low nibble of c: magnitudes 0 .5 1 1.5 2 3 4 6, sign bit 8."""
+    e, m = (c >> _u(1)) & _u(3), c & _u(1)
+    mag = T.Select(e == _u(0), m * _u(0x3F000000), ((e + _u(126)) << _u(23)) | (m << _u(22)))
+    return _f(mag | ((c & _u(8)) << _u(28)))
+
+
+# --------------------------------------------------------------------------- per-block bodies
+# Each macro handles scale block `b` of row `r`: (in0, in1/out, out, r, b).
+
+def _scaled_bits(u, sc, fmt):
+    """Bits of |x| / s: |x| * 2^-k for the power-of-two formats, IEEE |x| / s for fp4_e4m3."""
+    a = _f(u & _u(_ABS))
+    return T.reinterpret(a / sc if fmt == "fp4_e4m3" else a * sc, "uint32")
+
+
+def _quant_macro(fmt):
+    block = FORMATS[fmt]
+    floor, recip = (_FP8_FLOOR, _R448) if fmt == "fp8" else (_MX_FLOOR, _R6)
+
+    @T.macro
+    def body(X, V, S, r, b):
+        am = T.alloc_var("uint32")  # block amax, as fp32 bits
+        sb = T.alloc_var("uint32")  # scale byte
+        sc = T.alloc_var("float32")  # 2^-k for the power-of-two scales, the E4M3 scale s itself
+        y0 = T.alloc_var("uint32")
+        y1 = T.alloc_var("uint32")
+        am = _u(0)
+        for j in T.serial(block):
+            am = T.max(am, _bits(X[r, b * block + j]) & _u(_ABS))
+        if fmt == "fp4_e4m3":
+            y0 = T.min(T.reinterpret(_f(T.max(am, _u(_E4M3_FLOOR))) / _f(_u(_SIX)), "uint32"), _u(_B448))
+            sb = _e4m3_code(y0)
+            sc = _e4m3_value(sb)
+            S[r, b] = T.Cast("uint8", T.Select(am < _u(_INF), sb, _u(0x7F)))
+        else:
+            sb = _pow2_scale_exp(am, floor, recip)
+            sc = _f((_u(254) - sb) << _u(23))  # 2^-k, a normal fp32 for every finite block
+            S[r, b] = T.Cast("uint8", T.Select(am < _u(_INF), sb, _u(255)))
+        if fmt == "fp8":
+            for j in T.serial(block):
+                y0 = T.min(_scaled_bits(_bits(X[r, b * block + j]), sc, fmt), _u(_B448))
+                y1 = _e4m3_code(y0) | ((_bits(X[r, b * block + j]) >> _u(24)) & _u(0x80))
+                V[r, b * block + j] = T.Cast("uint8", T.Select(am < _u(_INF), y1, _u(0x7F)))
+        else:
+            for i in T.serial(block // 2):
+                y0 = _scaled_bits(_bits(X[r, b * block + 2 * i]), sc, fmt)
+                y1 = _scaled_bits(_bits(X[r, b * block + 2 * i + 1]), sc, fmt)
+                y0 = _e2m1_code(y0) | ((_bits(X[r, b * block + 2 * i]) >> _u(28)) & _u(8))
+                y1 = _e2m1_code(y1) | ((_bits(X[r, b * block + 2 * i + 1]) >> _u(28)) & _u(8))
+                y0 = y0 | (y1 << _u(4))
+                V[r, b * (block // 2) + i] = T.Cast("uint8", T.Select(am < _u(_INF), y0, _u(0)))
+    return body
+
+
+def _dequant_macro(fmt, out_dtype):
+    block = FORMATS[fmt]
+
+    if fmt == "fp8":
+        @T.macro
+        def body(Q, S, Y, r, b):
+            s = _e8m0_value(T.Cast("uint32", S[r, b]))
+            for j in T.serial(block):
+                v = _e4m3_value(T.Cast("uint32", Q[r, b * block + j]))
+                Y[r, b * block + j] = _store(out_dtype, v * s)
+        return body
+
+    @T.macro
+    def body(P, S, Y, r, b):
+        c = T.Cast("uint32", S[r, b])
+        s = _e8m0_value(c) if fmt == "mxfp4" else _e4m3_value(c)
+        for i in T.serial(block // 2):
+            p = T.Cast("uint32", P[r, b * (block // 2) + i])
+            Y[r, b * block + 2 * i] = _store(out_dtype, _e2m1_value(p & _u(0xF)) * s)
+            Y[r, b * block + 2 * i + 1] = _store(out_dtype, _e2m1_value(p >> _u(4)) * s)
+    return body
+
+
+# --------------------------------------------------------------------------- kernels
+
+def _signature(fmt, direction, val_dtype, n):
+    """Shapes and dtypes of the kernel's three buffers (in, in/out, out), N symbolic."""
+    block = FORMATS[fmt]
+    N = T.dynamic("N")
+    vals = (N, n) if fmt == "fp8" else (N, n // 2)
+    scales = (N, n // block)
+    if direction == "quant":
+        return N, [((N, n), val_dtype), (vals, "uint8"), (scales, "uint8")]
+    return N, [(vals, "uint8"), (scales, "uint8"), ((N, n), val_dtype)]
+
+
+def quant_prim_func(fmt: str, direction: str, dtype: str, n: int, target: str):
+    """The TileLang prim_func for (format, "quant"/"dequant", "float32"/"bfloat16", n, "cuda"/"c")."""
+    if fmt not in FORMATS or direction not in ("quant", "dequant"):
+        raise ValueError(f"quant kernels: unknown format/direction {fmt!r}/{direction!r}")
+    if dtype not in ("float32", "bfloat16") or n <= 0 or n % FORMATS[fmt]:
+        raise ValueError(f"quant kernels: need dtype float32/bfloat16 and n a positive multiple of "
+                         f"{FORMATS[fmt]} for {fmt}, got {dtype}, n={n}")
+    cpu = target == "c"
+    val_dtype = "uint16" if cpu and dtype == "bfloat16" else dtype
+    body = _quant_macro(fmt) if direction == "quant" else _dequant_macro(fmt, val_dtype)
+    nb = n // FORMATS[fmt]
+    N, ((sa, ta), (sb, tb), (sc, tc)) = _signature(fmt, direction, val_dtype, n)
+
+    if cpu:
+        @T.prim_func
+        def main(A: T.Tensor(sa, ta), B: T.Tensor(sb, tb), C: T.Tensor(sc, tc)):
+            with TC.Kernel(N) as r:
+                for b in T.serial(nb):
+                    body(A, B, C, r, b)
+        return main
+
+    @T.prim_func
+    def main(A: T.Tensor(sa, ta), B: T.Tensor(sb, tb), C: T.Tensor(sc, tc)):
+        with T.Kernel(T.ceildiv(N * nb, _CUDA_THREADS), threads=_CUDA_THREADS) as bx:
+            g = bx * _CUDA_THREADS + T.get_thread_binding()
+            if g < N * nb:
+                body(A, B, C, g // nb, g % nb)
+    return main
+
+
+@functools.lru_cache(maxsize=None)
+def build(fmt: str, direction: str, dtype: str, n: int, target: str):
+    """Compiled kernel, once per process per key; target "c" (CPU) or "cuda" / "cuda:sm_XX"."""
+    fn = quant_prim_func(fmt, direction, dtype, n, "c" if target == "c" else "cuda")
+    if target == "c":
+        return tilelang.compile(fn, target="c")
+    arch = target.partition(":")[2]
+    tgt = {"kind": "cuda", "arch": arch} if arch else "cuda"
+    return tilelang.compile(fn, target=tgt,
+                            pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: False})
+
+
+def build_many(keys, workers: int = 2) -> None:
+    """Compile several `build` keys in a thread pool (the C compiler runs as a subprocess)."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+        list(pool.map(lambda key: build(*key), keys))
+
+
+def _target(t: torch.Tensor) -> str:
+    if t.device.type == "cpu":
+        return "c"
+    if t.device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(t.device)
+        return f"cuda:sm_{major}{minor}"
+    raise ValueError(f"quant kernels: no build for device {t.device}")
+
+
+_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+
+
+def _kernel_view(t: torch.Tensor, target: str) -> torch.Tensor:
+    """bf16 tensors go to the C build as their uint16 bits (zero-copy view)."""
+    return t.view(torch.uint16) if target == "c" and t.dtype == torch.bfloat16 else t
+
+
+def _blocks_of(fmt: str, n: int, name: str) -> int:
+    if n % FORMATS[fmt]:
+        raise ValueError(f"{fmt}: last dim of {name} must be a multiple of {FORMATS[fmt]}, got {n}")
+    return n // FORMATS[fmt]
+
+
+def _check_grid(fmt: str, rows: int, n: int) -> None:
+    """The kernels index blocks with int32 (rows * n/block, the CUDA grid)."""
+    if rows * (n // FORMATS[fmt]) >= 2**31:
+        raise ValueError(f"{fmt}: {rows} rows of {n} are too many blocks for one launch (< 2^31)")
+
+
+# --------------------------------------------------------------------------- torch.library ops
+
+def _quant_fake(fmt, x):
+    n = x.shape[-1]
+    nb = _blocks_of(fmt, n, "x")
+    vals = n if fmt == "fp8" else n // 2
+    return (x.new_empty((*x.shape[:-1], vals), dtype=torch.uint8),
+            x.new_empty((*x.shape[:-1], nb), dtype=torch.uint8))
+
+
+def _quant(fmt, x):
+    if x.dtype not in _DTYPES or x.dim() == 0:
+        raise ValueError(f"{fmt}_quant: x must be fp32 or bf16 with a last dim, "
+                         f"got {x.dtype} {tuple(x.shape)}")
+    vals, scales = _quant_fake(fmt, x)
+    n = x.shape[-1]
+    if x.numel():
+        target = _target(x)
+        x2 = _kernel_view(x.reshape(-1, n).contiguous(), target)
+        _check_grid(fmt, x2.shape[0], n)
+        build(fmt, "quant", _DTYPES[x.dtype], n, target)(x2, vals.view(x2.shape[0], -1),
+                                                         scales.view(x2.shape[0], -1))
+    return vals, scales
+
+
+def _dequant_fake(fmt, values, scales, dtype):
+    nb = scales.shape[-1] if scales.dim() else 0
+    n = nb * FORMATS[fmt]
+    if values.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"{fmt}_dequant: values and scales must be uint8, "
+                         f"got {values.dtype}, {scales.dtype}")
+    if values.shape[:-1] != scales.shape[:-1] or values.shape[-1] != (n if fmt == "fp8" else n // 2):
+        raise ValueError(f"{fmt}_dequant: values {tuple(values.shape)} do not match scales "
+                         f"{tuple(scales.shape)} (block {FORMATS[fmt]})")
+    if dtype not in _DTYPES:
+        raise ValueError(f"{fmt}_dequant: dtype must be float32 or bfloat16, got {dtype}")
+    return values.new_empty((*values.shape[:-1], n), dtype=dtype)
+
+
+def _dequant(fmt, values, scales, dtype):
+    out = _dequant_fake(fmt, values, scales, dtype)
+    n = out.shape[-1]
+    if out.numel():
+        target = _target(values)
+        v2 = values.reshape(-1, values.shape[-1]).contiguous()
+        _check_grid(fmt, v2.shape[0], n)
+        s2 = scales.reshape(-1, scales.shape[-1]).contiguous()
+        build(fmt, "dequant", _DTYPES[dtype], n, target)(v2, s2, _kernel_view(out.view(-1, n), target))
+    return out
+
+
+def _register(fmt):
+    q = torch.library.custom_op(f"dsv41c::{fmt}_quant", mutates_args=(),
+                                schema="(Tensor x) -> (Tensor, Tensor)")(lambda x: _quant(fmt, x))
+    q.register_fake(lambda x: _quant_fake(fmt, x))
+    dq = torch.library.custom_op(f"dsv41c::{fmt}_dequant", mutates_args=(),
+                                 schema="(Tensor values, Tensor scales, ScalarType dtype) -> Tensor")(
+        lambda values, scales, dtype: _dequant(fmt, values, scales, dtype))
+    dq.register_fake(lambda values, scales, dtype: _dequant_fake(fmt, values, scales, dtype))
+    return q, dq
+
+
+_OPS = {fmt: _register(fmt) for fmt in FORMATS}
+
+
+def fp8_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., n] fp32/bf16 -> (E4M3 codes u8 [..., n], UE8M0 bytes u8 [..., n/32]); = fp8_quant_ref."""
+    return torch.ops.dsv41c.fp8_quant(x)
+
+
+def fp8_dequant(values, scales, dtype=torch.float32) -> torch.Tensor:
+    """Inverse of fp8_quant, in dtype (fp32 or bf16); = fp8_dequant_ref."""
+    return torch.ops.dsv41c.fp8_dequant(values, scales, dtype)
+
+
+def fp4_e4m3_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., n] -> (packed E2M1 u8 [..., n/2], raw E4M3 bytes u8 [..., n/16]); = fp4_e4m3_quant_ref."""
+    return torch.ops.dsv41c.fp4_e4m3_quant(x)
+
+
+def fp4_e4m3_dequant(values, scales, dtype=torch.float32) -> torch.Tensor:
+    """Inverse of fp4_e4m3_quant, in dtype (fp32 or bf16); = fp4_e4m3_dequant_ref."""
+    return torch.ops.dsv41c.fp4_e4m3_dequant(values, scales, dtype)
+
+
+def mxfp4_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., n] -> (packed E2M1 u8 [..., n/2], UE8M0 bytes u8 [..., n/32]); = mxfp4_quant_ref."""
+    return torch.ops.dsv41c.mxfp4_quant(x)
+
+
+def mxfp4_dequant(values, scales, dtype=torch.float32) -> torch.Tensor:
+    """Inverse of mxfp4_quant, in dtype (fp32 or bf16); = mxfp4_dequant_ref."""
+    return torch.ops.dsv41c.mxfp4_dequant(values, scales, dtype)
