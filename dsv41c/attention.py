@@ -15,7 +15,7 @@ from torch import nn
 from dsv41c import quant
 from dsv41c.cache import LayerCache, ModelCache
 from dsv41c.config import LayerRole, ModelArgs
-from dsv41c.nn import Linear, RMSNorm, apply_rope
+from dsv41c.nn import Linear, RMSNorm, apply_rope, weight_format
 
 SPARSE_ATTN_BLOCK = 64
 
@@ -174,7 +174,7 @@ class Indexer(nn.Module):
         self.role, self.kv_quant = role, kv_quant
         self.n_heads, self.head_dim, self.topk = args.index_n_heads, args.index_head_dim, args.index_topk
         self.block_size, self.topk_blocks = args.candidate_block_size, args.candidate_topk_blocks
-        self.wq_b = Linear(args.q_lora_rank, self.n_heads * self.head_dim, _qfmt(args), dtype)
+        self.wq_b = Linear(args.q_lora_rank, self.n_heads * self.head_dim, weight_format(args.dtype), dtype)
         self.weights_proj = Linear(args.dim, self.n_heads, "dense", dtype)
         if role.owns_index_keys:
             self.wk = Linear(args.head_dim, self.head_dim, "dense", dtype)
@@ -228,10 +228,6 @@ class Indexer(nn.Module):
         return keep.repeat_interleave(bs, dim=-1)[..., :n]
 
 
-def _qfmt(args: ModelArgs) -> str:
-    return "fp8" if args.dtype == "fp8" else "dense"
-
-
 # ------------------------------------------------------------------------------------ attention
 class Attention(nn.Module):
     """Multi-query latent attention over the sliding window plus (rho > 0) the compressed KV."""
@@ -242,7 +238,7 @@ class Attention(nn.Module):
         self.n_heads, self.head_dim, self.rope_dim = args.n_heads, args.head_dim, args.rope_head_dim
         self.window, self.groups, self.o_rank = args.window_size, args.o_groups, args.o_lora_rank
         self.scale = self.head_dim ** -0.5
-        fmt = _qfmt(args)
+        fmt = weight_format(args.dtype)
         self.attn_sink = nn.Parameter(torch.empty(args.n_heads, dtype=torch.float32))
         self.wq_a = Linear(args.dim, args.q_lora_rank, fmt, dtype)
         self.q_norm = RMSNorm(args.q_lora_rank, args.norm_eps, dtype)

@@ -14,7 +14,7 @@ from dsv41c import mhc
 from dsv41c.attention import CallState
 from dsv41c.config import LayerRole, ModelArgs
 from dsv41c.model import Block
-from dsv41c.nn import Linear, RMSNorm, sample
+from dsv41c.nn import Linear, RMSNorm, sample, weight_format
 
 
 class DSparkStage(Block):
@@ -25,8 +25,7 @@ class DSparkStage(Block):
         super().__init__(args, role, dtype, kv_quant)
         d, r, v = args.dim, args.dspark_markov_rank, args.vocab_size
         if j == 0:
-            fmt = "fp8" if args.dtype == "fp8" else "dense"
-            self.main_proj = Linear(d * len(args.dspark_target_layer_ids), d, fmt, dtype)
+            self.main_proj = Linear(d * len(args.dspark_target_layer_ids), d, weight_format(args.dtype), dtype)
             self.main_norm = RMSNorm(d, args.norm_eps, dtype)
         if j == args.n_mtp_layers - 1:
             self.norm = RMSNorm(d, args.norm_eps, dtype)

@@ -17,7 +17,9 @@ from dsv41c.config import LayerRole, ModelArgs, build_layer_plan
 from dsv41c.engram_hash import EngramLayout, engram_hash_ids
 from dsv41c.errors import InputError
 from dsv41c.moe import MoE
-from dsv41c.nn import Linear, RMSNorm, frozen_param, rope_frequencies, rope_table, show_logical_dtypes
+from dsv41c.nn import (Linear, RMSNorm, frozen_param, rope_frequencies, rope_table, show_logical_dtypes,
+                       weight_format)
+from dsv41c.quant import dequant_fp8_rows
 from dsv41c.tokenizer import Tokenizer
 
 
@@ -32,13 +34,12 @@ class Engram(nn.Module):
         self.embed.weight = frozen_param((rows, e_d), torch.float8_e4m3fn)
         self.embed.scale = frozen_param((rows, e_d // 32), torch.float8_e8m0fnu)
         show_logical_dtypes(self.embed, {"scale": torch.float8_e8m0fnu})
-        self.wkv = Linear(args.engram_n_hash_cols * e_d, d * (m + 1), "fp8" if args.dtype == "fp8" else "dense", dtype)
+        self.wkv = Linear(args.engram_n_hash_cols * e_d, d * (m + 1), weight_format(args.dtype), dtype)
         self.q_weight = nn.Parameter(torch.empty(m, d, dtype=dtype))
         self.k_weight = nn.Parameter(torch.empty(m, d, dtype=dtype))
 
     def forward(self, h: torch.Tensor, hash_ids: torch.Tensor) -> torch.Tensor:
         """h [B,S,m,D], hash_ids [B,S,C] -> h with gate_j * value added to every stream j."""
-        from dsv41c.quant import dequant_fp8_rows
         b, s, m, d = h.shape
         # gather raw bytes: the float8 storage dtypes have no indexing/codegen support everywhere
         values, scales = self.embed.weight.view(torch.uint8), self.embed.scale.view(torch.uint8)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv41c.config import ModelArgs
-from dsv41c.nn import BYTE_STORED, Linear, batched_linear, frozen_param, linear, linear_storage
+from dsv41c.nn import BYTE_STORED, Linear, batched_linear, frozen_param, linear, linear_storage, weight_format
 
 PROJECTIONS = ("w1", "w2", "w3")
 
@@ -134,8 +134,7 @@ def _stack_experts(module: Experts, state_dict, prefix, local_metadata, strict, 
 class MoE(nn.Module):
     def __init__(self, args: ModelArgs, n_experts: int, topk: int, dtype: torch.dtype):
         super().__init__()
-        fmt = "fp8" if args.dtype == "fp8" else "dense"
-        expert_fmt = {"fp4": "fp4", "fp8": "fp8", "bf16": "dense", None: fmt}[args.expert_dtype]
+        fmt, expert_fmt = weight_format(args.dtype), weight_format(args.expert_dtype or args.dtype)
         self.n_experts = n_experts
         self.gate = Gate(args, n_experts, topk, dtype)
         self.experts = Experts(n_experts, args.dim, args.moe_inter_dim, expert_fmt, dtype, args.swiglu_limit)

@@ -59,6 +59,11 @@ def batched_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
     return torch.einsum("pi,poi->po", xq, dequant_weight(weight, scale, fmt)).to(x.dtype)
 
 
+def weight_format(storage: str | None) -> str:
+    """The `linear` format of a config storage name: "fp8", "fp4", or "dense" (bf16 / None)."""
+    return storage if storage in ("fp8", "fp4") else "dense"
+
+
 # Packed dtypes without indexing or Inductor codegen support are held as raw bytes.
 BYTE_STORED = (torch.float8_e8m0fnu, torch.float4_e2m1fn_x2)
 

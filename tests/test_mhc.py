@@ -275,7 +275,7 @@ def test_transformer_one_hot_initial_pre_and_final_collapse_with_last_pre(tiny_a
                              compress_ratios=(0, 0), kv_source_layers=(), index_source_layers=(),
                              candidate_source_layer=-1, dspark_block_size=0, dspark_target_layer_ids=())
     model = build_model(args, seed=1, dtype=torch.float32)
-    m, d = args.hc_mult, args.dim
+    m = args.hc_mult
     seen, pres = [], []
 
     class StubBlock(nn.Module):
