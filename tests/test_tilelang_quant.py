@@ -7,7 +7,9 @@ two, E4M3 / E2M1 rounding ties and their neighbours at the block's actual scale,
 beyond 448*s / 6*s, floor-clamped and subnormal scales, fp32 subnormals, +-0 and all-zero rows.
 """
 
+import re
 import secrets
+import shutil
 
 import pytest
 import torch
@@ -262,6 +264,22 @@ def test_opcheck(fmt):
 
 
 # ----------------------------------------------------------------------------------- CUDA
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (no GPU needed)")
+@pytest.mark.parametrize("fmt", FMTS)
+def test_cuda_source_is_coalesced(fmt):
+    """The sm_90 builds compile, and each thread moves 8 consecutive bf16 (one 16-byte vector) and
+    its packed bytes with one vector access, at offsets threadIdx.x * 8 / * 4 (a warp is contiguous)."""
+    packed = "uint2" if fmt == "fp8" else "uint"
+    for direction in ("quant", "dequant"):
+        src = K.build(fmt, direction, "bfloat16", ROW_N[fmt], "cuda:sm_90").get_kernel_source()
+        x, v = ("X", "V") if direction == "quant" else ("Y", "Q")
+        assert re.search(rf"\*\(uint4\*\)\({x} \+ .*threadIdx\.x\)\) \* \(int64_t\)8\)", src), src
+        step = 8 if fmt == "fp8" else 4
+        assert re.search(rf"\*\({packed}\*\)\({v} \+ .*threadIdx\.x\)\) \* \(int64_t\){step}\)", src), src
+        if direction == "quant":
+            assert "__shfl_xor_sync" in src
+
 
 @pytest.mark.gpu
 @cuda

@@ -19,22 +19,26 @@ arithmetic on IEEE bit patterns, which also makes the CUDA and C builds agree by
     if any mantissa bit is set; values are scaled by the exact 2^-k, which rounds like x / 2^k;
   * E4M3 scale of the fp4_e4m3 format: IEEE fp32 division a / 6 (as torch), then E4M3 encoding;
     values are divided by that scale (IEEE division, as torch);
-  * E4M3 encoding: round-to-nearest-even with integer shifts (normal and subnormal range), after
-    clamping the magnitude to 448; E2M1: seven threshold comparisons (the spec's tie rule);
-  * dequant builds the fp32 value from the code bits and multiplies by the scale (fp32, exact
-    except in the subnormal range, where IEEE rounding matches torch); bf16 output is rounded from
-    the fp32 bits with integer round-to-nearest-even, as torch's scalar conversion does.
-No fast math on either target (TileLang 0.1.15 defaults: nvcc without --use_fast_math, g++ -O0).
+  * E4M3 encoding: round-to-nearest-even after clamping the magnitude to 448: integer shifts in
+    the normal range, in the subnormal range RNE(y * 2^9) by an fp32 addition of 2^23; E2M1 the
+    same way (RNE on its grid is the spec's tie rule), saturating at code 7;
+  * dequant builds the fp32 value from the code bits (E4M3: the bits at fp32 bias, times 2^120)
+    and multiplies by the scale (fp32, exact except in the subnormal range, where IEEE rounding
+    matches torch); bf16 output is rounded from the fp32 bits with integer round-to-nearest-even,
+    as torch's scalar conversion does.
+No fast math on either target (TileLang 0.1.15 defaults: nvcc without --use_fast_math, g++ -O0);
+the few fp32 operations are exact or IEEE-rounded as stated and need fp32 subnormals (no FTZ/DAZ).
 
-Layout of work: one scale block per program instance.  CUDA: 128 threads per CTA, one thread per
-block, grid over N * n/block.  C target: one program per row, a serial loop over its blocks (the C
-target has no threads).  N is a dynamic dimension (`T.dynamic`), so one build serves every row
+Layout of work.  CUDA: each thread owns chunks of 8 consecutive values of a row (16 B of bf16), so
+a warp reads and writes contiguous memory with 16/8/4-byte vector accesses; 256 threads per CTA, 2
+chunks per thread; a scale block spans 2 or 4 neighbouring lanes, whose amax is combined with
+`__shfl_xor_sync`.  C target: one program per row, a serial loop over its blocks (the C target
+has no threads).  N is a dynamic dimension (`T.dynamic`), so one build serves every row
 count; a build is cached per (format, direction, dtype, n, target).  bf16 buffers are declared
 `uint16` in the C build (the C codegen cannot print a bfloat16 type) and the op passes the tensor's
 zero-copy uint16 view; the CUDA build takes bfloat16 buffers.
 """
 
-import concurrent.futures
 import functools
 
 import tilelang
@@ -46,7 +50,9 @@ __all__ = ["FORMATS", "quant_prim_func", "build", "build_many", "fp8_quant", "fp
            "fp4_e4m3_quant", "fp4_e4m3_dequant", "mxfp4_quant", "mxfp4_dequant"]
 
 FORMATS = {"fp8": 32, "fp4_e4m3": 16, "mxfp4": 32}  # format -> scale block along the last dim
-_CUDA_THREADS = 128
+_CUDA_THREADS = 256  # CUDA: threads per CTA
+_UNROLL = 2  # CUDA: chunks per thread
+_VEC = 8  # CUDA: consecutive values per chunk (16 B of bf16, 8 B of fp8 codes)
 
 
 def _f32_bits(v: float) -> int:
@@ -60,7 +66,8 @@ _ABS, _INF, _NAN = 0x7FFFFFFF, 0x7F800000, 0x7FC00000
 _B448 = _f32_bits(448.0)
 _R448, _FP8_FLOOR = _f32_bits(1.0 / 448.0), _f32_bits(1e-4)
 _R6, _MX_FLOOR = _f32_bits(1.0 / 6.0), _f32_bits(6.0 * 2.0**-126)
-_E4M3_FLOOR, _SIX, _TWO_M9 = _f32_bits(6.0 * 2.0**-9), _f32_bits(6.0), _f32_bits(2.0**-9)
+_E4M3_FLOOR, _SIX = _f32_bits(6.0 * 2.0**-9), _f32_bits(6.0)
+_TWO, _TWO_P9, _TWO_P23, _TWO_P120 = (_f32_bits(2.0**k) for k in (1, 9, 23, 120))
 # E2M1 decision points (bits of 0.25 ... 5.0); True: a tie goes up (MODEL.md §10.1).
 _E2M1_STEPS = tuple((_f32_bits(t), up) for t, up in ((0.25, False), (0.75, True), (1.25, False),
                                                      (1.75, True), (2.5, False), (3.5, True),
@@ -112,14 +119,9 @@ def _pow2_scale_exp(amax, floor, recip):
 
 def _e4m3_code(u):
     """E4M3 magnitude code (0..0x7e) of the non-negative fp32 with bits u <= bits(448), RNE."""
-    e = u >> _u(23)
-    m = (u & _u(0x7FFFFF)) | T.Select(e != _u(0), _u(0x800000), _u(0))
-    # subnormal range (u < 2^-6): code = RNE(u * 2^9) = RNE(m * 2^(e - 141)); shift kept in [21, 31]
-    sh = T.min(_u(141) - T.min(T.max(e, _u(1)), _u(120)), _u(31))
-    q = m >> sh
-    rem = m & ((_u(1) << sh) - _u(1))
-    half = _u(1) << (sh - _u(1))
-    sub = q + _flag((rem > half) | ((rem == half) & ((q & _u(1)) == _u(1))))
+    # subnormal range (u < 2^-6): code = RNE(u * 2^9) < 9, rounded by the fp32 addition of 2^23
+    # (the product is exact, so an FMA contraction gives the same bits)
+    sub = T.reinterpret(_f(u) * _f(_u(_TWO_P9)) + _f(_u(_TWO_P23)), "uint32") - _u(_TWO_P23)
     # normal range: rebias 127 -> 7 and round the 20 dropped mantissa bits to nearest even
     nor = (u - _u(120 << 23) + _u(0x7FFFF) + ((u >> _u(20)) & _u(1))) >> _u(20)
     return T.Select(u < _u(0x3C800000), sub, nor)
@@ -128,10 +130,9 @@ def _e4m3_code(u):
 def _e4m3_value(c):
     """fp32 value of the E4M3 byte c (uint32 0..255): sign, subnormals, 0x7f/0xff -> NaN."""
     mag = c & _u(0x7F)
-    e, m = mag >> _u(3), mag & _u(7)
-    sub = T.reinterpret(T.Cast("float32", m) * _f(_u(_TWO_M9)), "uint32")
-    nor = ((e + _u(120)) << _u(23)) | (m << _u(20))
-    v = T.Select(e == _u(0), sub, nor) | ((c & _u(0x80)) << _u(24))
+    # the code bits placed in an fp32 at exponent bias 127 (subnormal codes land on fp32
+    # subnormals), rescaled by the exact 2^120 to bias 7
+    v = T.reinterpret(_f(mag << _u(20)) * _f(_u(_TWO_P120)), "uint32") | ((c & _u(0x80)) << _u(24))
     return _f(T.Select(mag == _u(0x7F), _u(_NAN), v))
 
 
@@ -142,11 +143,15 @@ def _e8m0_value(c):
 
 
 def _e2m1_code(v_bits):
-    """E2M1 magnitude code 0..7 of the non-negative fp32 with bits v_bits (>= 6 -> 7, NaN -> 7)."""
-    code = _u(0)
-    for t, tie_up in _E2M1_STEPS:
-        code = code + _flag((v_bits >= _u(t)) if tie_up else (v_bits > _u(t)))
-    return code
+    """E2M1 magnitude code 0..7 of the non-negative fp32 with bits v_bits (>= 6 -> 7, NaN -> 7).
+
+    Round to nearest even on the E2M1 grid, which is the spec's tie rule: below 1, code =
+    RNE(v * 2) (0, 1, 2) by the fp32 addition of 2^23; from 1 up, rebias 127 -> 1 and round the
+    22 dropped mantissa bits to nearest even; saturate at 7.  Equal, for every non-negative fp32
+    bit pattern, to counting the thresholds in _E2M1_STEPS."""
+    sub = T.reinterpret(_f(v_bits) * _f(_u(_TWO)) + _f(_u(_TWO_P23)), "uint32") - _u(_TWO_P23)
+    nor = (v_bits - _u(126 << 23) + _u(0x1FFFFF) + ((v_bits >> _u(22)) & _u(1))) >> _u(22)
+    return T.min(T.Select(v_bits < _u(0x3F800000), sub, nor), _u(7))
 
 
 def _e2m1_value(c):
@@ -261,12 +266,127 @@ def quant_prim_func(fmt: str, direction: str, dtype: str, n: int, target: str):
                     body(A, B, C, r, b)
         return main
 
+    return _cuda_prim_func(fmt, direction, dtype, n)
+
+
+def _cuda_prim_func(fmt, direction, dtype, n):
+    """CUDA layout: each thread owns chunks of _VEC consecutive values of one row (16 B of bf16),
+    so a warp's loads and stores are contiguous and 16/8/4-byte vectorised.  A CTA covers `rpc`
+    rows x `ct` chunks (grid y splits rows longer than the tile); each thread handles _UNROLL
+    chunks, one CTA-width apart, loading all of them before computing.  A scale block spans
+    G = block/_VEC consecutive lanes: its amax is a shfl_xor butterfly over those lanes (every
+    lane of the warp takes part, out-of-range lanes with amax 0) and its first lane stores the
+    scale byte."""
+    block = FORMATS[fmt]
+    G, cpr, tpb = block // _VEC, n // _VEC, _CUDA_THREADS
+    tile = tpb * _UNROLL
+    ct = min(cpr, tile)
+    rpc, gy = tile // ct, -(-cpr // ct)
+    nv = _VEC if fmt == "fp8" else _VEC // 2  # value bytes per chunk
+    N, ((sa, ta), (sb, tb), (sc, tc)) = _signature(fmt, direction, dtype, n)
+
+    def at(u, tx, bx, by):
+        """(row, chunk, in range) of chunk u of thread tx."""
+        t = u * tpb + tx
+        r, c = bx * rpc + t // ct, by * ct + t % ct
+        ok = r < N
+        if rpc * ct < tile:
+            ok = ok & (t < rpc * ct)
+        if gy * ct > cpr:
+            ok = ok & (c < cpr)
+        return r, c, ok
+
+    esz = 4 if dtype == "float32" else 2
+
+    if direction == "quant":
+        floor, recip = (_FP8_FLOOR, _R448) if fmt == "fp8" else (_MX_FLOOR, _R6)
+
+        @T.prim_func
+        def main(X: T.Tensor(sa, ta), V: T.Tensor(sb, tb), S: T.Tensor(sc, tc)):
+            with T.Kernel(T.ceildiv(N, rpc), gy, threads=tpb) as (bx, by):
+                tx = T.get_thread_binding()
+                xl = T.alloc_local((_UNROLL, _VEC), dtype)
+                ql = T.alloc_local((_UNROLL, nv), "uint8")
+                am = T.alloc_local((_UNROLL,), "uint32")
+                sb = T.alloc_local((_UNROLL,), "uint32")
+                sf = T.alloc_local((_UNROLL,), "float32")
+                for u in T.unroll(_UNROLL):
+                    r, c, ok = at(u, tx, bx, by)
+                    if ok:
+                        for h in T.unroll(_VEC * esz // 16):
+                            for j in T.vectorized(16 // esz):
+                                xl[u, h * (16 // esz) + j] = X[r, c * _VEC + h * (16 // esz) + j]
+                for u in T.unroll(_UNROLL):
+                    r, c, ok = at(u, tx, bx, by)
+                    am[u] = _u(0)
+                    if ok:
+                        for j in T.unroll(_VEC):
+                            am[u] = T.max(am[u], _bits(xl[u, j]) & _u(_ABS))
+                    for k in T.unroll(G.bit_length() - 1):  # lanes c^1, c^2, .. of the scale block
+                        am[u] = T.max(am[u], T.shfl_xor(am[u], 1 << k))
+                    if fmt == "fp4_e4m3":
+                        sb[u] = _e4m3_code(T.min(T.reinterpret(
+                            _f(T.max(am[u], _u(_E4M3_FLOOR))) / _f(_u(_SIX)), "uint32"), _u(_B448)))
+                        sf[u] = _e4m3_value(sb[u])
+                        sb[u] = T.Select(am[u] < _u(_INF), sb[u], _u(0x7F))
+                    else:
+                        sb[u] = _pow2_scale_exp(am[u], floor, recip)
+                        sf[u] = _f((_u(254) - sb[u]) << _u(23))
+                        sb[u] = T.Select(am[u] < _u(_INF), sb[u], _u(255))
+                    if fmt == "fp8":
+                        for j in T.unroll(_VEC):
+                            ql[u, j] = T.Cast("uint8", T.Select(
+                                am[u] < _u(_INF),
+                                _e4m3_code(T.min(_scaled_bits(_bits(xl[u, j]), sf[u], fmt), _u(_B448)))
+                                | ((_bits(xl[u, j]) >> _u(24)) & _u(0x80)),
+                                _u(0x7F)))
+                    else:
+                        for i in T.unroll(_VEC // 2):
+                            ql[u, i] = T.Cast("uint8", T.Select(
+                                am[u] < _u(_INF),
+                                (_e2m1_code(_scaled_bits(_bits(xl[u, 2 * i]), sf[u], fmt))
+                                 | ((_bits(xl[u, 2 * i]) >> _u(28)) & _u(8)))
+                                | ((_e2m1_code(_scaled_bits(_bits(xl[u, 2 * i + 1]), sf[u], fmt))
+                                    | ((_bits(xl[u, 2 * i + 1]) >> _u(28)) & _u(8))) << _u(4)),
+                                _u(0)))
+                    if ok:
+                        for j in T.vectorized(nv):
+                            V[r, c * nv + j] = ql[u, j]
+                        if c % G == 0:
+                            S[r, c // G] = T.Cast("uint8", sb[u])
+        return main
+
     @T.prim_func
-    def main(A: T.Tensor(sa, ta), B: T.Tensor(sb, tb), C: T.Tensor(sc, tc)):
-        with T.Kernel(T.ceildiv(N * nb, _CUDA_THREADS), threads=_CUDA_THREADS) as bx:
-            g = bx * _CUDA_THREADS + T.get_thread_binding()
-            if g < N * nb:
-                body(A, B, C, g // nb, g % nb)
+    def main(Q: T.Tensor(sa, ta), S: T.Tensor(sb, tb), Y: T.Tensor(sc, tc)):
+        with T.Kernel(T.ceildiv(N, rpc), gy, threads=tpb) as (bx, by):
+            tx = T.get_thread_binding()
+            ql = T.alloc_local((_UNROLL, nv), "uint8")
+            sl = T.alloc_local((_UNROLL,), "uint8")
+            yl = T.alloc_local((_UNROLL, _VEC), dtype)
+            for u in T.unroll(_UNROLL):
+                r, c, ok = at(u, tx, bx, by)
+                if ok:
+                    for j in T.vectorized(nv):
+                        ql[u, j] = Q[r, c * nv + j]
+                    sl[u] = S[r, c // G]
+            for u in T.unroll(_UNROLL):
+                r, c, ok = at(u, tx, bx, by)
+                if ok:
+                    if fmt == "fp8":
+                        for j in T.unroll(_VEC):
+                            yl[u, j] = _store(dtype, _e4m3_value(T.Cast("uint32", ql[u, j]))
+                                              * _e8m0_value(T.Cast("uint32", sl[u])))
+                    else:
+                        for i in T.unroll(_VEC // 2):
+                            yl[u, 2 * i] = _store(dtype, _e2m1_value(T.Cast("uint32", ql[u, i]) & _u(0xF))
+                                                  * (_e8m0_value(T.Cast("uint32", sl[u])) if fmt == "mxfp4"
+                                                     else _e4m3_value(T.Cast("uint32", sl[u]))))
+                            yl[u, 2 * i + 1] = _store(dtype, _e2m1_value(T.Cast("uint32", ql[u, i]) >> _u(4))
+                                                      * (_e8m0_value(T.Cast("uint32", sl[u])) if fmt == "mxfp4"
+                                                         else _e4m3_value(T.Cast("uint32", sl[u]))))
+                    for h in T.unroll(_VEC * esz // 16):
+                        for j in T.vectorized(16 // esz):
+                            Y[r, c * _VEC + h * (16 // esz) + j] = yl[u, h * (16 // esz) + j]
     return main
 
 
@@ -282,10 +402,12 @@ def build(fmt: str, direction: str, dtype: str, n: int, target: str):
                             pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: False})
 
 
-def build_many(keys, workers: int = 2) -> None:
-    """Compile several `build` keys in a thread pool (the C compiler runs as a subprocess)."""
-    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-        list(pool.map(lambda key: build(*key), keys))
+def build_many(keys) -> None:
+    """Compile several `build` keys, one after the other: TileLang parses kernel source with `ast`,
+    and CPython 3.11's AST construction is not thread-safe ("AST constructor recursion depth
+    mismatch" when two threads parse at once), so no thread pool here."""
+    for key in keys:
+        build(*key)
 
 
 def _target(t: torch.Tensor) -> str:
@@ -303,6 +425,12 @@ _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 def _kernel_view(t: torch.Tensor, target: str) -> torch.Tensor:
     """bf16 tensors go to the C build as their uint16 bits (zero-copy view)."""
     return t.view(torch.uint16) if target == "c" and t.dtype == torch.bfloat16 else t
+
+
+def _aligned(t: torch.Tensor, target: str) -> torch.Tensor:
+    """Inputs of the CUDA builds are read with 16/8/4-byte vector loads: a contiguous view at a
+    storage offset that breaks 16-byte alignment is copied.  (Outputs are fresh allocations.)"""
+    return t if target == "c" or t.data_ptr() % 16 == 0 else t.clone()
 
 
 def _blocks_of(fmt: str, n: int, name: str) -> int:
@@ -335,7 +463,7 @@ def _quant(fmt, x):
     n = x.shape[-1]
     if x.numel():
         target = _target(x)
-        x2 = _kernel_view(x.reshape(-1, n).contiguous(), target)
+        x2 = _kernel_view(_aligned(x.reshape(-1, n).contiguous(), target), target)
         _check_grid(fmt, x2.shape[0], n)
         build(fmt, "quant", _DTYPES[x.dtype], n, target)(x2, vals.view(x2.shape[0], -1),
                                                          scales.view(x2.shape[0], -1))
@@ -361,7 +489,7 @@ def _dequant(fmt, values, scales, dtype):
     n = out.shape[-1]
     if out.numel():
         target = _target(values)
-        v2 = values.reshape(-1, values.shape[-1]).contiguous()
+        v2 = _aligned(values.reshape(-1, values.shape[-1]).contiguous(), target)
         _check_grid(fmt, v2.shape[0], n)
         s2 = scales.reshape(-1, scales.shape[-1]).contiguous()
         build(fmt, "dequant", _DTYPES[dtype], n, target)(v2, s2, _kernel_view(out.view(-1, n), target))
