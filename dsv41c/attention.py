@@ -147,7 +147,7 @@ class Compressor(nn.Module):
         a, s = self.wkv(x.float()), self.wgate(x.float())
         b = x.shape[0]
         if state.is_prefill:
-            groups, rem = divmod(state.seqlen, rho)
+            groups, rem = state.seqlen // rho, state.seqlen % rho     # (no divmod: SymInt-friendly)
             if rem:
                 cache.group_kv[:b, :rem] = a[:, groups * rho:]
                 cache.group_score[:b, :rem] = s[:, groups * rho:]

@@ -1,0 +1,90 @@
+"""The pass pipeline: orders graph passes, runs them on Inductor's post-grad aten graph, collects
+their statistics, and hashes itself so that the compile cache is invalidated when a pass changes.
+
+Installed as Inductor's `post_grad_custom_post_pass`, so `torch.compile` and AOTInductor export
+share it. Runs wherever Inductor runs (CPU included).
+"""
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from dsv41c.errors import DSV41CError
+
+
+class PassError(DSV41CError):
+    """A pass failed, or matched nothing in strict mode."""
+
+
+@dataclass
+class PassStats:
+    name: str
+    matches: int = 0
+    nodes_removed: int = 0
+    nodes_added: int = 0
+    details: list[str] = field(default_factory=list)
+
+    def merge(self, other: "PassStats") -> None:
+        self.matches += other.matches
+        self.nodes_removed += other.nodes_removed
+        self.nodes_added += other.nodes_added
+        self.details += other.details
+
+
+class GraphPass:
+    """A pass: `apply(graph)` rewrites a post-grad `torch.fx.Graph` in place and returns stats."""
+
+    name = "pass"
+
+    def __init__(self, **options: Any):
+        self.options = options
+
+    def apply(self, graph: torch.fx.Graph) -> PassStats:
+        raise NotImplementedError
+
+
+class PassPipeline(CustomGraphPass):
+    """Runs `passes` in order on every graph Inductor compiles; `stats` accumulates per pass."""
+
+    def __init__(self, passes: Sequence[GraphPass], strict: bool = False):
+        self.passes, self.strict = list(passes), strict
+        self.stats = {p.name: PassStats(p.name) for p in self.passes}
+        self.graphs = 0
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        self.graphs += 1
+        for p in self.passes:
+            stats = p.apply(graph)
+            if self.strict and stats.matches == 0:
+                raise PassError(f"pass {p.name}: no match in graph {self.graphs} (strict mode)")
+            self.stats[p.name].merge(stats)
+        graph.eliminate_dead_code()
+        graph.lint()
+
+    def uuid(self) -> str:
+        """Changes when the pass list, any pass option, or any pass's source changes."""
+        h = hashlib.sha256(inspect.getsource(inspect.getmodule(PassPipeline)).encode())
+        for p in self.passes:
+            h.update(json.dumps([p.name, p.options, self.strict], sort_keys=True, default=str).encode())
+            h.update(inspect.getsource(inspect.getmodule(type(p))).encode())
+        return h.hexdigest()
+
+
+def registry() -> dict[str, type[GraphPass]]:
+    from dsv41c.passes.fuse_wqa_wkv import FuseSiblingLinears
+    return {FuseSiblingLinears.name: FuseSiblingLinears}
+
+
+def build_pipeline(names: Sequence[str], strict: bool = False, options: dict[str, dict] | None = None) -> PassPipeline:
+    known = registry()
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise PassError(f"unknown pass {unknown[0]!r}; known passes: {sorted(known)}")
+    options = options or {}
+    return PassPipeline([known[n](**options.get(n, {})) for n in names], strict)
