@@ -23,7 +23,9 @@ def inductor_options(pipeline) -> dict:
 
 
 class CompiledModel:
-    """Same call surface as `Transformer.forward`; `pipeline.stats` holds the pass statistics."""
+    """Same call surface as `Transformer.forward`; `pipeline.stats` holds the pass statistics of
+    the graphs compiled in this process (an Inductor cache hit, keyed by the pipeline's uuid, reuses
+    the rewritten graph without running the passes again)."""
 
     def __init__(self, model: Transformer, passes: Sequence[str] | None, strict: bool):
         from dsv41c.passes.manager import PassPipeline, build_pipeline

@@ -39,7 +39,9 @@ class Siblings(nn.Module):
 
 
 def run(module, pipeline, *inputs):
-    with torch.no_grad(), torch._inductor.config.patch(inductor_options(pipeline)):
+    # no FX graph cache: a cache hit skips the post-grad passes, and these tests watch them run
+    options = {**inductor_options(pipeline), "fx_graph_cache": False}
+    with torch.no_grad(), torch._inductor.config.patch(options):
         return torch.compile(module, fullgraph=True)(*inputs)
 
 
