@@ -171,6 +171,7 @@ class Transformer(nn.Module):
                          self.cache, self.args.window_size)
 
     # ---------------------------------------------------------------- forward
+    @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, start_pos: int = 0, full_logits: bool = False,
                 return_hidden: bool = False):
         """Logits of the last position [B, V] (or all positions [B, S, V] with full_logits), fp32.
