@@ -57,7 +57,11 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=1 << 20)
     ap.add_argument("--n", type=int, default=512)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--sweep", action="store_true",
+                    help="time the CUDA launch shapes (threads per CTA x chunks per thread) instead")
     a = ap.parse_args()
+    if a.sweep:
+        return sweep(a.rows, a.n)
     torch.manual_seed(0)
     copy_gbs = copy_bandwidth()
     x = (torch.randn(a.rows, a.n, device="cuda") * torch.rand(a.rows, 1, device="cuda") * 10).bfloat16()
@@ -99,6 +103,31 @@ def main() -> None:
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"copy_gb_s": copy_gbs, "device": torch.cuda.get_device_name(), "rows": rows}, fh, indent=2)
+
+
+def sweep(n_rows: int, n: int) -> None:
+    """Kernel time per launch shape; each shape is checked bit-exact against the ref first."""
+    copy_gbs = copy_bandwidth()
+    x = (torch.randn(n_rows, n, device="cuda") * torch.rand(n_rows, 1, device="cuda") * 10).bfloat16()
+    print(f"copy bandwidth {copy_gbs:.0f} GB/s; % of copy per kernel, {n_rows}x{n} bf16")
+    print("| threads | chunks/thread | " + " | ".join(f"{f} {d}" for f in REFS for d in ("quant", "dequant")) + " |")
+    print("|---|---|" + "---|" * 6)
+    for threads in (128, 256, 512):
+        for unroll in (1, 2, 4, 8):
+            tlq._CUDA_THREADS, tlq._UNROLL = threads, unroll
+            tlq.build.cache_clear()
+            cells = []
+            for fmt in REFS:
+                (qref, dref), (qk, dk) = REFS[fmt], KERNELS[fmt]
+                codes, scales = qk(x)
+                ok = all(torch.equal(t, r) for t, r in zip((codes, scales), qref(x)))
+                ok &= torch.equal(dk(codes, scales, torch.bfloat16).view(torch.int16),
+                                  dref(codes, scales, torch.bfloat16).view(torch.int16))
+                nbytes = x.numel() * 2 + codes.numel() + scales.numel()
+                for fn, args in ((qk, (x,)), (lambda c, s: dk(c, s, torch.bfloat16), (codes, scales))):
+                    pct = 100 * nbytes / (bench(lambda: fn(*args)) * 1e-3) / 1e9 / copy_gbs
+                    cells.append(f"{pct:.0f}%" + ("" if ok else " WRONG"))
+            print(f"| {threads} | {unroll} | " + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":
