@@ -28,7 +28,6 @@ class CallState:
     batch: int
     rope: dict[str, torch.Tensor]                       # "swa"/"compressed" -> [L, d_r/2, 2]
     cache: ModelCache
-    window: int = 0                                     # W, the ring size
     topk: dict[int, torch.Tensor] = field(default_factory=dict)   # index source -> [B,S,k'] int32
     candidates: torch.Tensor | None = None              # [B,S,n_c] bool, from the candidate source
     main_x: torch.Tensor | None = None                  # DSpark: backbone-derived input
@@ -115,7 +114,7 @@ def compress_len(state: CallState, ratio: int, device: torch.device) -> torch.Te
 
 def write_window(cache: LayerCache, kv: torch.Tensor, state: CallState) -> None:
     """Seed (prefill: the last min(S,W) positions) or update (decode) the ring, slot t mod W."""
-    w = state.window
+    w = cache.window.rows
     n = min(state.seqlen, w)
     pos = torch.arange(state.start_pos + state.seqlen - n, state.start_pos + state.seqlen, device=kv.device)
     cache.window.write(pos % w, kv[:, -n:])

@@ -32,7 +32,7 @@ class RowStore(nn.Module):
 
     def __init__(self, batch: int, rows: int, dim: int, dtype: torch.dtype, fmt: str | None):
         super().__init__()
-        self.fmt, self.dtype = fmt, dtype
+        self.fmt, self.dtype, self.rows = fmt, dtype, rows
         if fmt is None:
             self.register_buffer("data", torch.zeros(batch, rows, dim, dtype=dtype), persistent=False)
         else:

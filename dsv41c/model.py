@@ -168,7 +168,7 @@ class Transformer(nn.Module):
 
     def call_state(self, batch: int, seqlen: int, start_pos: int) -> CallState:
         return CallState(start_pos, seqlen, batch, {"swa": self.rope_swa, "compressed": self.rope_compressed},
-                         self.cache, self.args.window_size)
+                         self.cache)
 
     # ---------------------------------------------------------------- forward
     @torch.no_grad()

@@ -61,11 +61,8 @@ def test_decode_window_index_naive(W):
 
 
 # ------------------------------------------------------------------ Compressor (§6.4)
-def _state(start_pos, seqlen, batch=2, window=16):
-    kw = dict(start_pos=start_pos, seqlen=seqlen, batch=batch, rope={}, cache=None)
-    if "window" in {f.name for f in dataclasses.fields(CallState)}:
-        kw["window"] = window
-    return CallState(**kw)
+def _state(start_pos, seqlen, batch=2):
+    return CallState(start_pos=start_pos, seqlen=seqlen, batch=batch, rope={}, cache=None)
 
 
 def _kv_role(ratio, layer=1):
