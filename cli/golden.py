@@ -43,8 +43,8 @@ def record_command(
 ) -> None:
     """Record golden files and update <out>/manifest.json.
 
-    The model is the eager float32 one with kv_quant (the official numerics), random weights from
-    --seed; the file holds the prompt ids, the prefill logits, and the tokens and logits of greedy
+    The model is the eager float32 one without the KV fake quantisers (the reference a compiled
+    program is held to), random weights from --seed; the file holds the prompt ids, the prefill logits, and the tokens and logits of greedy
     decoding.
     """
     configs = list(configs) if configs else list(DEFAULT_CONFIGS)
