@@ -122,7 +122,7 @@ def _apply_scale(vals: torch.Tensor, s: torch.Tensor, block: int, dtype: torch.d
     if s.shape != vals.shape[:-1] + (vals.shape[-1] // block,) or vals.shape[-1] % block:
         raise ValueError(f"quant: scales {tuple(s.shape)} do not match values {tuple(vals.shape)} "
                          f"with blocks of {block}")
-    out = vals.reshape(*vals.shape[:-1], -1, block) * s.unsqueeze(-1)
+    out = vals.reshape(*vals.shape[:-1], vals.shape[-1] // block, block) * s.unsqueeze(-1)
     return out.reshape(vals.shape).to(dtype)
 
 
@@ -145,8 +145,8 @@ def _fp4_e4m3_core(xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
 
 
 def _lead(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """Reshape block-shaped t [..., nb, k] to x's leading dims [..., nb*k]."""
-    return t.reshape(*x.shape[:-1], -1)
+    """Reshape block-shaped t [..., nb, k] to x's leading dims [..., nb*k] (also for empty x)."""
+    return t.flatten(-2).reshape(*x.shape[:-1], t.shape[-2] * t.shape[-1])
 
 
 # --------------------------------------------------------------------------- E2M1 scalars
@@ -173,7 +173,7 @@ def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     """uint8 (or float4_e2m1fn_x2) [..., m] -> uint8 codes [..., 2m]; inverse of pack_e2m1."""
     p = packed.view(torch.uint8)
-    return torch.stack((p & 0xF, p >> 4), dim=-1).reshape(*p.shape[:-1], -1)
+    return torch.stack((p & 0xF, p >> 4), dim=-1).reshape(*p.shape[:-1], 2 * p.shape[-1])
 
 
 # --------------------------------------------------------------------------- fake quantisers

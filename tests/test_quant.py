@@ -355,3 +355,13 @@ def test_fp8_rows_engram_format(seed):
     assert s.dtype == torch.float8_e8m0fnu and s.shape == (3, 7, 2)
     assert_same(Q.dequant_fp8_rows(v, s), Q.fp8_fake_quant(w))
     assert_same(Q.dequant_fp8_rows(v, s), Q.fp8_dequant_ref(v.view(torch.uint8), s.view(torch.uint8)))
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp4_e4m3", "mxfp4"])
+def test_empty_rows_round_trip(fmt):
+    quantise, dequantise = {"fp8": (Q.fp8_quant_ref, Q.fp8_dequant_ref),
+                            "fp4_e4m3": (Q.fp4_e4m3_quant_ref, Q.fp4_e4m3_dequant_ref),
+                            "mxfp4": (Q.mxfp4_quant_ref, Q.mxfp4_dequant_ref)}[fmt]
+    codes, scales = quantise(torch.zeros(0, 512))
+    assert codes.shape[0] == 0 and scales.shape[0] == 0
+    assert dequantise(codes, scales).shape == (0, 512)
