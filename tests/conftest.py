@@ -17,6 +17,15 @@ from dsv41c.config import ModelArgs
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_thread():
+    """The tiny models are all small ops: extra intra-op threads only add contention."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_args() -> ModelArgs:
     """configs/tiny.json (dim 64, 4 heads of 64, d_r 16, W 16, 8 layers + 2 DSpark stages)."""

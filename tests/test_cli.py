@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 import dsv41c
@@ -20,15 +19,6 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny.json"
 RATES = re.compile(r"^(\d+) tokens? generated \| prefill: (\d+) tokens?, [\d.]+ tokens/s \| "
                    r"decode: (\d+) tokens?, [\d.]+ tokens/s$")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # The tiny model is all small ops: extra intra-op threads only add contention.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

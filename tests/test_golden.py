@@ -20,15 +20,6 @@ GOLDEN_DIR = REPO / "golden"
 TINY_GOLDEN = GOLDEN_DIR / "tiny.safetensors"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # The tiny models are all small ops: extra intra-op threads only add contention.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture
 def tiny_only(tmp_path):
     """A golden directory holding just the tiny file, with its manifest."""
