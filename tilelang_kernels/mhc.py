@@ -1,0 +1,648 @@
+"""Single-pass mHC (MODEL.md §4.1, §5): TileLang kernels for the stream side of every sublayer.
+
+Ops (`torch.ops.dsv41c.*`); T tokens, m streams of width D, mix = 2m + m*m coefficients; streams
+fp32 or bf16, coefficients fp32:
+  mhc_pre(h, fn, scale, base, pre_delayed, *, norm_eps, hc_eps, iters)
+      h [T,m,D] -> (x [T,D] = hc_collapse(h, pre_delayed), pre [T,m], post [T,m], comb [T,m,m]
+                    = hc_mixes(h, fn, scale, base))
+  mhc_post_pre(y, res, post, comb, pre_delayed, fn, scale, base, *, norm_eps, hc_eps, iters)
+      -> (h_new [T,m,D] = hc_expand(y, res, post, comb), x = hc_collapse(h_new, pre_delayed),
+          pre', post', comb' = hc_mixes(h_new, fn, scale, base))
+  mhc_post_collapse(y, res, post, comb, pre_delayed) -> (h_new, x)     (no mixes)
+`pre_delayed` is the *delayed* pre mix of §4.1: the previous sublayer's pre, never the one computed
+from the same stream.  `mhc_pre` is a layer's first site (and the site after an Engram layer);
+`mhc_post_pre` is every later site; `mhc_post_collapse` is the head's input and the step before an
+Engram layer.  The torch references `*_ref` compose `dsv41c.mhc` and define the semantics.
+
+Numerics.  The stream outputs (h_new, x) depend only on the inputs, and the kernels reproduce the
+reference's fp32 arithmetic exactly: each product rounded on its own, sources added in order
+i = 0..m-1 starting from the first product, post*y added last, one rounding to the stream dtype
+(§5.3 [exactness]).  The CUDA build spells these with __fmul_rn/__fadd_rn, because nvcc contracts
+a*b+c into an FMA by default; the C build runs at -O0 without FMA.  x and the mixes read h_new as
+stored (rounded).  The mixes GEMM sums m*D terms in another order than torch, so pre/post/comb
+agree to fp32 rounding, not bitwise (the tests bound the difference).
+
+CPU (C target): one program per token, scalar loops; bf16 travels as its uint16 bits.
+
+CUDA (sm_90), two launches:
+  1. `main`: grid (token tiles of TB=64, KS splits of D), 128 threads (one warpgroup).  A CTA walks
+     its D range in chunks of DC=32 columns of all m streams.  Per chunk each thread owns 8
+     consecutive columns (a 16-byte bf16 vector) of two tokens: it loads res and y, forms h_new,
+     stores h_new and x (each the only time those bytes move), adds h_new^2 to a per-token
+     register sum, and stages h_new as bf16 into shared memory (fp32 streams: three bf16 pieces,
+     hi + mid + lo, which represent the fp32 value exactly).  fn's chunk is read once per CTA
+     (so each fn element serves 64 tokens from L2) and split the same way into three bf16 pieces.
+     The mixes GEMM [64 tok x 4*DC] x [4*DC x 32] then runs on the tensor cores as bf16 x bf16
+     with fp32 accumulation: the products of bf16 pieces are exact in fp32, and the pieces'
+     cross terms sum to the fp32 product to ~2^-24 relative, so the result is fp32-accurate
+     without TF32 (bf16 streams: 3 GEMMs per chunk, fp32 streams: the 6 cross terms above 2^-24).
+     Partial dot products and sums of squares go to a workspace [KS, T, 32].
+  2. `finalize`: one thread per token sums the KS partials in fixed order, then rsqrt, sigmoids
+     and the Sinkhorn of §5.2 in registers.  Deterministic: no atomics.
+"""
+
+import functools
+from types import SimpleNamespace
+
+import tilelang
+import tilelang.cpu.language as TC
+import tilelang.language as T
+import torch
+from dsv41c.tilelang_kernels.quant import _bits, _store
+
+from dsv41c import mhc
+
+__all__ = [
+    "KINDS",
+    "build",
+    "cuda_splits",
+    "mhc_post_collapse",
+    "mhc_post_collapse_ref",
+    "mhc_post_pre",
+    "mhc_post_pre_ref",
+    "mhc_pre",
+    "mhc_pre_ref",
+    "mhc_prim_funcs",
+]
+
+KINDS = ("pre", "post_pre", "post_collapse")
+TB = 64  # CUDA: tokens per CTA (the wgmma M)
+DC = 32  # CUDA: columns of each stream per chunk
+_THREADS = 128  # CUDA: one warpgroup
+_NPAD = 32  # CUDA: GEMM N, the mix coefficients padded; column 24 (mix) of the workspace = sum of squares
+_MAX_SPLITS = 8  # CUDA: most CTAs along D
+
+
+# ------------------------------------------------------------------------------------- refs
+
+def mhc_pre_ref(h, fn, scale, base, pre_delayed, *, norm_eps, hc_eps, iters):
+    """x = collapse(h, pre_delayed) and the mixes of h: what `mhc_pre` computes."""
+    return (mhc.hc_collapse(h, pre_delayed),
+            *mhc.hc_mixes(h, fn, scale, base, norm_eps=norm_eps, hc_eps=hc_eps, iters=iters))
+
+
+def mhc_post_collapse_ref(y, res, post, comb, pre_delayed):
+    """h_new = expand(y, res, post, comb), x = collapse(h_new, pre_delayed)."""
+    h_new = mhc.hc_expand(y, res, post, comb)
+    return h_new, mhc.hc_collapse(h_new, pre_delayed)
+
+
+def mhc_post_pre_ref(y, res, post, comb, pre_delayed, fn, scale, base, *, norm_eps, hc_eps, iters):
+    """`mhc_post_collapse_ref` plus the mixes of h_new for the following sublayer."""
+    h_new, x = mhc_post_collapse_ref(y, res, post, comb, pre_delayed)
+    return (h_new, x,
+            *mhc.hc_mixes(h_new, fn, scale, base, norm_eps=norm_eps, hc_eps=hc_eps, iters=iters))
+
+
+# ------------------------------------------------------------------------------------- shared TIR
+
+def _f32_const(v: float):
+    """An fp32 constant entered by its bits: the C codegen prints floats with 7 digits."""
+    bits = torch.tensor(v, dtype=torch.float32).view(torch.int32).item() & 0xFFFFFFFF
+    return T.reinterpret(T.uint32(bits), "float32")
+
+
+def _ld(v):
+    """fp32 value of an element of an fp32, bf16 or uint16-holding-bf16 buffer."""
+    if str(v.dtype) == "float32":
+        return v
+    if str(v.dtype) == "bfloat16":
+        return T.Cast("float32", v)
+    return T.reinterpret(_bits(v), "float32")
+
+
+def _arith(cuda: bool):
+    """(mul, add) with one IEEE rounding each; CUDA needs the intrinsics to stop FMA contraction."""
+    if cuda:
+        return (lambda a, b: T.call_extern("float32", "__fmul_rn", a, b),
+                lambda a, b: T.call_extern("float32", "__fadd_rn", a, b))
+    return (lambda a, b: a * b), (lambda a, b: a + b)
+
+
+def _finalize_macro(m: int, n_flat: int, norm_eps: float, hc_eps: float, iters: int):
+    """Mixes of one token t from acc[0:mix] = fn . s and acc[mix] = sum(s^2): §5.1 and §5.2.
+    c is an m*m local scratch.  Used by the C build and the CUDA finalize kernel alike."""
+    mix = 2 * m + m * m
+
+    @T.macro
+    def finalize(acc, c, SC, BASE, PRE, POST, COMB, t):
+        r = T.alloc_var("float32")
+        s = T.alloc_var("float32")
+        r = T.float32(1) / T.sqrt(acc[mix] / T.float32(n_flat) + _f32_const(norm_eps))
+        for j in T.unroll(m):
+            PRE[t, j] = T.sigmoid(acc[j] * r * SC[0] + BASE[j]) + _f32_const(hc_eps)
+            POST[t, j] = T.float32(2) * T.sigmoid(acc[m + j] * r * SC[1] + BASE[m + j])
+        for q in T.unroll(m * m):
+            c[q] = acc[2 * m + q] * r * SC[2] + BASE[2 * m + q]
+        for i in T.unroll(m):  # row softmax, then + eps
+            s = c[i * m]
+            for j in T.unroll(1, m):
+                s = T.max(s, c[i * m + j])
+            for j in T.unroll(m):
+                c[i * m + j] = T.exp(c[i * m + j] - s)
+            r = c[i * m]
+            for j in T.unroll(1, m):
+                r = r + c[i * m + j]
+            for j in T.unroll(m):
+                c[i * m + j] = c[i * m + j] / r + _f32_const(hc_eps)
+        for it in T.serial(2 * iters - 1):  # column, (row, column) x (iters - 1)
+            if it % 2 == 0:
+                for j in T.unroll(m):
+                    s = c[j]
+                    for i in T.unroll(1, m):
+                        s = s + c[i * m + j]
+                    for i in T.unroll(m):
+                        c[i * m + j] = c[i * m + j] / (s + _f32_const(hc_eps))
+            else:
+                for i in T.unroll(m):
+                    s = c[i * m]
+                    for j in T.unroll(1, m):
+                        s = s + c[i * m + j]
+                    for j in T.unroll(m):
+                        c[i * m + j] = c[i * m + j] / (s + _f32_const(hc_eps))
+        for i in T.unroll(m):
+            for j in T.unroll(m):
+                COMB[t, i, j] = c[i * m + j]
+    return finalize
+
+
+_SHAPES = {  # buffer name -> (shape, dtype) with N = tokens, S = stream dtype, K = CUDA splits of D
+    "H": ("NmD", "S"), "Y": ("ND", "S"), "RES": ("NmD", "S"), "HN": ("NmD", "S"), "X": ("ND", "S"),
+    "PIN": ("Nm", "f"), "CIN": ("Nmm", "f"), "PD": ("Nm", "f"), "PRE": ("Nm", "f"), "POST": ("Nm", "f"),
+    "COMB": ("Nmm", "f"), "FN": ("xF", "f"), "SC": ("3", "f"), "BASE": ("x", "f"), "WS": ("KNP", "f"),
+}
+_PARAMS = {  # (kind, role) -> parameter names, inputs first
+    ("pre", "c"): ("H", "FN", "SC", "BASE", "PD", "X", "PRE", "POST", "COMB"),
+    ("post_pre", "c"): ("Y", "RES", "PIN", "CIN", "PD", "FN", "SC", "BASE", "HN", "X", "PRE", "POST", "COMB"),
+    ("post_collapse", "c"): ("Y", "RES", "PIN", "CIN", "PD", "HN", "X"),
+    ("pre", "main"): ("H", "FN", "PD", "X", "WS"),
+    ("post_pre", "main"): ("Y", "RES", "PIN", "CIN", "PD", "FN", "HN", "X", "WS"),
+    ("post_collapse", "main"): ("Y", "RES", "PIN", "CIN", "PD", "HN", "X"),
+    ("finalize", "main"): ("WS", "SC", "BASE", "PRE", "POST", "COMB"),
+}
+
+
+def _buffers(names, sdt, m, D, splits=1):
+    """The T.Tensor types of `names` as attributes, with one symbolic token count N."""
+    N = T.dynamic("N")
+    dims = {"N": N, "m": m, "D": D, "3": 3, "x": 2 * m + m * m, "F": m * D, "K": splits, "P": _NPAD}
+    return SimpleNamespace(**{n: T.Tensor(tuple(dims[c] for c in _SHAPES[n][0]),
+                                          sdt if _SHAPES[n][1] == "S" else "float32") for n in names}), N
+
+
+def _prim_func(names, S, body):
+    """The prim_func with parameters `names` (a `_PARAMS` entry), typed by S; body is a macro that
+    takes the buffers as a dict, so one body serves every parameter list of its target."""
+    if names == _PARAMS["pre", "c"]:
+        @T.prim_func
+        def main(H: S.H, FN: S.FN, SC: S.SC, BASE: S.BASE, PD: S.PD, X: S.X,
+                 PRE: S.PRE, POST: S.POST, COMB: S.COMB):
+            body(dict(zip(names, (H, FN, SC, BASE, PD, X, PRE, POST, COMB))))
+    elif names == _PARAMS["post_pre", "c"]:
+        @T.prim_func
+        def main(Y: S.Y, RES: S.RES, PIN: S.PIN, CIN: S.CIN, PD: S.PD, FN: S.FN,
+                 SC: S.SC, BASE: S.BASE, HN: S.HN, X: S.X, PRE: S.PRE, POST: S.POST,
+                 COMB: S.COMB):
+            body(dict(zip(names, (Y, RES, PIN, CIN, PD, FN, SC, BASE, HN, X, PRE, POST, COMB))))
+    elif names == _PARAMS["post_collapse", "c"]:
+        @T.prim_func
+        def main(Y: S.Y, RES: S.RES, PIN: S.PIN, CIN: S.CIN, PD: S.PD, HN: S.HN,
+                 X: S.X):
+            body(dict(zip(names, (Y, RES, PIN, CIN, PD, HN, X))))
+    elif names == _PARAMS["pre", "main"]:
+        @T.prim_func
+        def main(H: S.H, FN: S.FN, PD: S.PD, X: S.X, WS: S.WS):
+            body(dict(zip(names, (H, FN, PD, X, WS))))
+    elif names == _PARAMS["post_pre", "main"]:
+        @T.prim_func
+        def main(Y: S.Y, RES: S.RES, PIN: S.PIN, CIN: S.CIN, PD: S.PD, FN: S.FN,
+                 HN: S.HN, X: S.X, WS: S.WS):
+            body(dict(zip(names, (Y, RES, PIN, CIN, PD, FN, HN, X, WS))))
+    else:
+        assert names == _PARAMS["finalize", "main"], names
+
+        @T.prim_func
+        def main(WS: S.WS, SC: S.SC, BASE: S.BASE, PRE: S.PRE, POST: S.POST,
+                 COMB: S.COMB):
+            body(dict(zip(names, (WS, SC, BASE, PRE, POST, COMB))))
+    return main
+
+
+# ------------------------------------------------------------------------------------- C target
+
+def _cpu_prim_func(kind, dtype, m, D, norm_eps, hc_eps, iters):
+    sdt = "uint16" if dtype == "bfloat16" else dtype
+    names = _PARAMS[kind, "c"]
+    S, N = _buffers(names, sdt, m, D)
+    mix = 2 * m + m * m
+    mixes, expand = kind != "post_collapse", kind != "pre"
+    finalize = _finalize_macro(m, m * D, norm_eps, hc_eps, iters)
+    mul, add = _arith(False)
+
+    @T.macro
+    def body(B):
+        with TC.Kernel(N) as t:
+            acc = T.alloc_local((mix + 1,), "float32")
+            c = T.alloc_local((m * m,), "float32")
+            v = T.alloc_local((m,), "float32")
+            s = T.alloc_var("float32")
+            T.clear(acc)
+            for d in T.serial(D):
+                if expand:
+                    for j in T.serial(m):
+                        s = mul(B["CIN"][t, 0, j], _ld(B["RES"][t, 0, d]))
+                        for i in T.serial(1, m):
+                            s = add(s, mul(B["CIN"][t, i, j], _ld(B["RES"][t, i, d])))
+                        B["HN"][t, j, d] = _store(sdt, add(mul(B["PIN"][t, j], _ld(B["Y"][t, d])), s))
+                        v[j] = _ld(B["HN"][t, j, d])  # the stored (rounded) stream
+                else:
+                    for j in T.serial(m):
+                        v[j] = _ld(B["H"][t, j, d])
+                s = mul(B["PD"][t, 0], v[0])
+                for j in T.serial(1, m):
+                    s = add(s, mul(B["PD"][t, j], v[j]))
+                B["X"][t, d] = _store(sdt, s)
+                if mixes:
+                    for j in T.serial(m):
+                        acc[mix] = acc[mix] + v[j] * v[j]
+                        for q in T.serial(mix):
+                            acc[q] = acc[q] + B["FN"][q, j * D + d] * v[j]
+            if mixes:
+                finalize(acc, c, B["SC"], B["BASE"], B["PRE"], B["POST"], B["COMB"], t)
+
+    return names, _prim_func(names, S, body)
+
+
+# ------------------------------------------------------------------------------------- builds
+
+def mhc_prim_funcs(kind, dtype, m, D, norm_eps, hc_eps, iters, target):
+    """[(parameter names, prim_func)] of one op: its C kernel on "c"; on "cuda" the main kernel,
+    then for the mixing kinds the finalize kernel."""
+    if kind not in KINDS or dtype not in ("float32", "bfloat16") or m < 1 or D < 1:
+        raise ValueError(f"mhc kernels: unknown kind/dtype/shape {kind!r}/{dtype!r}/m={m}/D={D}")
+    if target == "c":
+        return [_cpu_prim_func(kind, dtype, m, D, norm_eps, hc_eps, iters)]
+    fns = [_cuda_main_prim_func(kind, dtype, m, D)]
+    if kind != "post_collapse":
+        fns.append(_cuda_finalize_prim_func(m, D, norm_eps, hc_eps, iters))
+    return fns
+
+
+@functools.cache
+def build(kind: str, dtype: str, m: int, D: int, norm_eps: float, hc_eps: float, iters: int,
+          target: str):
+    """((parameter names, compiled kernel), ...) of one op, once per process per key; target "c"
+    (CPU) or "cuda[:sm_XX]".  T is a dynamic dimension, so one build serves every token count."""
+    fns = mhc_prim_funcs(kind, dtype, m, D, norm_eps, hc_eps, iters, "c" if target == "c" else "cuda")
+    if target == "c":
+        return tuple((names, tilelang.compile(f, target="c")) for names, f in fns)
+    arch = target.partition(":")[2]
+    tgt = {"kind": "cuda", "arch": arch} if arch else "cuda"
+    return tuple((names, tilelang.compile(f, target=tgt,
+                                          pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: False}))
+                 for names, f in fns)
+
+
+def cuda_splits(D: int) -> int:
+    """CTAs along D per token tile: the largest divisor of D/DC up to _MAX_SPLITS."""
+    chunks = D // DC
+    return max(k for k in range(1, _MAX_SPLITS + 1) if chunks % k == 0)
+
+
+# ------------------------------------------------------------------------------------- torch.library ops
+
+_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+
+
+def _target(t: torch.Tensor) -> str:
+    if t.device.type == "cpu":
+        return "c"
+    if t.device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(t.device)
+        return f"cuda:sm_{major}{minor}"
+    raise ValueError(f"mhc kernels: no build for device {t.device}")
+
+
+def _check(op, streams, coefs, fn_args):
+    """Validate: streams {name: tensor} are [T, m, D] or [T, D] of one dtype (fp32/bf16) and
+    device; coefs {name: (tensor, per-token shape)} are fp32; fn_args (fn, scale, base) or None."""
+    (sname, s0), *_ = streams.items()
+    if s0.dim() != 3 or s0.dtype not in _DTYPES:
+        raise ValueError(f"{op}: {sname} must be [T, m, D] fp32 or bf16, got {s0.dtype} {tuple(s0.shape)}")
+    n, m, d = s0.shape
+    mix = 2 * m + m * m
+    want = {name: ((n, m, d) if t.dim() == 3 else (n, d), s0.dtype) for name, t in streams.items()}
+    want.update({name: ((n, *(m if x == "m" else x for x in tail)), torch.float32)
+                 for name, (_, tail) in coefs.items()})
+    tensors = {**streams, **{name: t for name, (t, _) in coefs.items()}}
+    if fn_args is not None:
+        tensors.update(zip(("fn", "scale", "base"), fn_args))
+        want.update(fn=((mix, m * d), torch.float32), scale=((3,), torch.float32), base=((mix,), torch.float32))
+    for name, t in tensors.items():
+        shape, dtype = want[name]
+        if tuple(t.shape) != shape or t.dtype != dtype or t.device != s0.device:
+            raise ValueError(f"{op}: {name} must be {dtype} {shape} on {s0.device}, "
+                             f"got {t.dtype} {tuple(t.shape)} on {t.device}")
+    if s0.is_cuda and (d % DC or (fn_args is not None and mix > _NPAD - 1)):
+        raise ValueError(f"{op}: the CUDA build needs D % {DC} == 0 and 2m + m^2 < {_NPAD}, got D={d}, m={m}")
+    return n, m, d
+
+
+def _kernel_arg(t: torch.Tensor, target: str) -> torch.Tensor:
+    """Contiguous, 16-byte aligned for the CUDA vector accesses; bf16 as uint16 bits for the C build.
+    (Outputs are fresh contiguous tensors, so these are views of them, not copies.)"""
+    t = t.contiguous()
+    if target != "c" and t.data_ptr() % 16:
+        t = t.clone()
+    return t.view(torch.uint16) if target == "c" and t.dtype == torch.bfloat16 else t
+
+
+def _mixes_out(n, m, like):
+    return (like.new_empty((n, m), dtype=torch.float32), like.new_empty((n, m), dtype=torch.float32),
+            like.new_empty((n, m, m), dtype=torch.float32))
+
+
+def _launch(kind, bufs, n, m, d, dtype, eps):
+    """Run the build of `kind` on bufs {parameter name: tensor}: the C kernel, or the CUDA main
+    kernel and, for the mixing kinds, the finalize kernel over a fresh workspace."""
+    if n == 0:
+        return
+    target = _target(bufs["X"])
+    if target != "c" and kind != "post_collapse":
+        bufs["WS"] = bufs["X"].new_empty((cuda_splits(d), n, _NPAD), dtype=torch.float32)
+    args = {name: _kernel_arg(t, target) for name, t in bufs.items()}
+    for names, kernel in build(kind, _DTYPES[dtype], m, d, *eps, target):
+        kernel(*(args[name] for name in names))
+
+
+def _pre(h, fn, scale, base, pre_delayed, norm_eps, hc_eps, iters):
+    n, m, d = _check("mhc_pre", {"h": h}, {"pre_delayed": (pre_delayed, ("m",))}, (fn, scale, base))
+    x, mo = h.new_empty((n, d)), _mixes_out(n, m, h)
+    _launch("pre", {"H": h, "FN": fn, "SC": scale, "BASE": base, "PD": pre_delayed, "X": x, "PRE": mo[0],
+                    "POST": mo[1], "COMB": mo[2]}, n, m, d, h.dtype, (norm_eps, hc_eps, iters))
+    return (x, *mo)
+
+
+def _pre_fake(h, fn, scale, base, pre_delayed, norm_eps, hc_eps, iters):
+    n, m, d = h.shape
+    return (h.new_empty((n, d)), *_mixes_out(n, m, h))
+
+
+def _post_args(op, y, res, post, comb, pre_delayed, fn_args):
+    return _check(op, {"res": res, "y": y},
+                  {"post": (post, ("m",)), "comb": (comb, ("m", "m")), "pre_delayed": (pre_delayed, ("m",))},
+                  fn_args)
+
+
+def _post_pre(y, res, post, comb, pre_delayed, fn, scale, base, norm_eps, hc_eps, iters):
+    n, m, d = _post_args("mhc_post_pre", y, res, post, comb, pre_delayed, (fn, scale, base))
+    h_new, x = torch.empty_like(res, memory_format=torch.contiguous_format), res.new_empty((n, d))
+    mo = _mixes_out(n, m, res)
+    _launch("post_pre", {"Y": y, "RES": res, "PIN": post, "CIN": comb, "PD": pre_delayed, "FN": fn,
+                         "SC": scale, "BASE": base, "HN": h_new, "X": x, "PRE": mo[0], "POST": mo[1],
+                         "COMB": mo[2]}, n, m, d, res.dtype, (norm_eps, hc_eps, iters))
+    return (h_new, x, *mo)
+
+
+def _post_pre_fake(y, res, post, comb, pre_delayed, fn, scale, base, norm_eps, hc_eps, iters):
+    n, m, d = res.shape
+    return (torch.empty_like(res, memory_format=torch.contiguous_format), res.new_empty((n, d)),
+            *_mixes_out(n, m, res))
+
+
+def _post_collapse(y, res, post, comb, pre_delayed):
+    n, m, d = _post_args("mhc_post_collapse", y, res, post, comb, pre_delayed, None)
+    h_new, x = torch.empty_like(res, memory_format=torch.contiguous_format), res.new_empty((n, d))
+    _launch("post_collapse", {"Y": y, "RES": res, "PIN": post, "CIN": comb, "PD": pre_delayed, "HN": h_new,
+                              "X": x}, n, m, d, res.dtype, (0.0, 0.0, 0))
+    return h_new, x
+
+
+def _post_collapse_fake(y, res, post, comb, pre_delayed):
+    return torch.empty_like(res, memory_format=torch.contiguous_format), res.new_empty((res.shape[0], res.shape[2]))
+
+
+_KW = "float norm_eps, float hc_eps, int iters"
+_OPS = {}
+for _name, _impl, _fake, _schema in (
+        ("mhc_pre", _pre, _pre_fake,
+         (f"(Tensor h, Tensor fn, Tensor scale, Tensor base, Tensor pre_delayed, *, {_KW}) "
+          "-> (Tensor, Tensor, Tensor, Tensor)")),
+        ("mhc_post_pre", _post_pre, _post_pre_fake,
+         ("(Tensor y, Tensor res, Tensor post, Tensor comb, Tensor pre_delayed, Tensor fn, Tensor scale, "
+          f"Tensor base, *, {_KW}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")),
+        ("mhc_post_collapse", _post_collapse, _post_collapse_fake,
+         "(Tensor y, Tensor res, Tensor post, Tensor comb, Tensor pre_delayed) -> (Tensor, Tensor)")):
+    _OPS[_name] = torch.library.custom_op(f"dsv41c::{_name}", mutates_args=(), schema=_schema)(_impl)
+    _OPS[_name].register_fake(_fake)
+
+
+def mhc_pre(h, fn, scale, base, pre_delayed, *, norm_eps, hc_eps, iters):
+    """h [T,m,D] -> (x [T,D], pre, post, comb); = mhc_pre_ref."""
+    return torch.ops.dsv41c.mhc_pre(h, fn, scale, base, pre_delayed, norm_eps=norm_eps, hc_eps=hc_eps,
+                                    iters=iters)
+
+
+def mhc_post_pre(y, res, post, comb, pre_delayed, fn, scale, base, *, norm_eps, hc_eps, iters):
+    """(y [T,D], res [T,m,D], ...) -> (h_new, x, pre', post', comb'); = mhc_post_pre_ref."""
+    return torch.ops.dsv41c.mhc_post_pre(y, res, post, comb, pre_delayed, fn, scale, base,
+                                         norm_eps=norm_eps, hc_eps=hc_eps, iters=iters)
+
+
+def mhc_post_collapse(y, res, post, comb, pre_delayed):
+    """(y [T,D], res [T,m,D], post, comb, pre_delayed) -> (h_new, x); = mhc_post_collapse_ref."""
+    return torch.ops.dsv41c.mhc_post_collapse(y, res, post, comb, pre_delayed)
+
+
+# ------------------------------------------------------------------------------------- CUDA
+
+def _bf16_pieces(v, n):
+    """n bf16 values whose sum is the fp32 v to within 2^-24 relative (n = 1: v is a bf16 value)."""
+    out, r = [], v
+    for i in range(n):
+        b = T.Cast("bfloat16", r)
+        out.append(b)
+        if i + 1 < n:
+            r = r - T.Cast("float32", b)
+    return out
+
+
+def _cuda_main_prim_func(kind, dtype, m, D):
+    """The streaming kernel (module docstring, CUDA step 1)."""
+    mixes, expand = kind != "post_collapse", kind != "pre"
+    names = _PARAMS[kind, "main"]
+    splits = cuda_splits(D)
+    S, N = _buffers(names, dtype, m, D, splits)
+    mix = 2 * m + m * m
+    nch = D // DC // splits  # chunks per CTA
+    kc = m * DC  # GEMM K per chunk
+    vec = 8  # stream values per thread item (16 B of bf16)
+    vw = 16 // (4 if dtype == "float32" else 2)  # values per 16-byte access
+    ipr = DC // vec  # items per token row of a chunk
+    U = TB * ipr // _THREADS  # items per thread
+    npa = 1 if dtype == "bfloat16" else 3  # bf16 pieces of a stream value
+    pieces = list(range(npa))
+    pairs = [(a, b) for a in range(npa) for b in range(3) if a + b <= 2]
+    nfv = mix * kc // 4  # float4 vectors of fn per chunk
+    FU = -(-nfv // _THREADS)
+    ncf = (m + m * m if expand else 0) + m  # per-token coefficients: post, comb, pre_delayed
+    pdo = ncf - m
+    src = "RES" if expand else "H"
+    mul, add = _arith(True)
+    assert TB * ipr % _THREADS == 0 and D % (DC * splits) == 0
+
+    @T.macro
+    def body(B):
+        with T.Kernel(T.ceildiv(N, TB), splits, threads=_THREADS) as (bx, by):
+            tx = T.get_thread_binding()
+            Co = T.alloc_shared((TB, ncf), "float32")  # per-token post, comb, pre_delayed
+            xl = T.alloc_local((U, m + 1, vec), dtype)  # loaded streams (and y)
+            ol = T.alloc_local((m, vec), dtype)  # h_new as stored
+            xo = T.alloc_local((vec,), dtype)
+            hv = T.alloc_local((m,), "float32")
+            s = T.alloc_var("float32")
+            if mixes:
+                As = [T.alloc_shared((TB, kc), "bfloat16") for _ in pieces]
+                Bs = [T.alloc_shared((_NPAD, kc), "bfloat16") for _ in range(3)]
+                Cs = T.alloc_shared((TB, _NPAD), "float32")
+                Cf = T.alloc_fragment((TB, _NPAD), "float32")
+                al = T.alloc_local((npa, m, vec), "bfloat16")
+                fl = T.alloc_local((FU, 4), "float32")
+                bl = T.alloc_local((3, 4), "bfloat16")
+                sq = T.alloc_local((U,), "float32")
+                T.clear(Cf)
+                for u in T.unroll(U):
+                    sq[u] = T.float32(0)
+                for q in T.serial((_NPAD - mix) * kc // _THREADS):  # zero fn rows mix.._NPAD
+                    for p in [0, 1, 2]:  # a Python list: unrolled at trace time
+                        Bs[p][mix + (q * _THREADS + tx) // kc, (q * _THREADS + tx) % kc] = T.bfloat16(0)
+            for q in T.serial(T.ceildiv(TB * ncf, _THREADS)):
+                i = q * _THREADS + tx
+                t = bx * TB + i // ncf
+                if i < TB * ncf and t < N:
+                    if i % ncf >= pdo:
+                        Co[i // ncf, i % ncf] = B["PD"][t, i % ncf - pdo]
+                    if expand:
+                        if i % ncf >= m and i % ncf < pdo:
+                            Co[i // ncf, i % ncf] = B["CIN"][t, (i % ncf - m) // m, (i % ncf - m) % m]
+                        if i % ncf < m:
+                            Co[i // ncf, i % ncf] = B["PIN"][t, i % ncf]
+            T.sync_threads()
+            for ch in T.serial(nch):
+                d0 = (by * nch + ch) * DC
+                if mixes:
+                    T.sync_threads()  # the previous chunk's GEMM has read As/Bs
+                    for u in T.unroll(FU):
+                        q = u * _THREADS + tx
+                        if FU * _THREADS == nfv or q < nfv:
+                            for e in T.vectorized(4):
+                                fl[u, e] = B["FN"][q // (kc // 4), (q % (kc // 4)) * 4 // DC * D + d0
+                                                   + (q % (kc // 4)) * 4 % DC + e]
+                for u in T.unroll(U):
+                    it = u * _THREADS + tx
+                    t = bx * TB + it // ipr
+                    if t < N:
+                        for h2 in T.unroll(vec // vw):
+                            for j in T.unroll(m):
+                                for e in T.vectorized(vw):
+                                    xl[u, j, h2 * vw + e] = B[src][t, j, d0 + it % ipr * vec + h2 * vw + e]
+                            if expand:
+                                for e in T.vectorized(vw):
+                                    xl[u, m, h2 * vw + e] = B["Y"][t, d0 + it % ipr * vec + h2 * vw + e]
+                if mixes:
+                    for u in T.unroll(FU):
+                        q = u * _THREADS + tx
+                        if FU * _THREADS == nfv or q < nfv:
+                            for e in T.unroll(4):
+                                for p, piece in enumerate(_bf16_pieces(fl[u, e], 3)):
+                                    bl[p, e] = piece
+                            for p in [0, 1, 2]:
+                                for e in T.vectorized(4):
+                                    Bs[p][q // (kc // 4), (q % (kc // 4)) * 4 + e] = bl[p, e]
+                for u in T.unroll(U):
+                    it = u * _THREADS + tx
+                    t = bx * TB + it // ipr
+                    for e in T.unroll(vec):
+                        for j in T.unroll(m):
+                            if expand:
+                                s = mul(Co[it // ipr, m + j], T.Cast("float32", xl[u, 0, e]))
+                                for i in T.unroll(1, m):
+                                    s = add(s, mul(Co[it // ipr, m + i * m + j], T.Cast("float32", xl[u, i, e])))
+                                ol[j, e] = T.Cast(dtype, add(mul(Co[it // ipr, j], T.Cast("float32", xl[u, m, e])), s))
+                                hv[j] = T.Cast("float32", ol[j, e])
+                            else:
+                                hv[j] = T.Cast("float32", xl[u, j, e])
+                            if mixes:
+                                sq[u] = sq[u] + hv[j] * hv[j]
+                                if npa > 1:
+                                    for p, piece in enumerate(_bf16_pieces(hv[j], npa)):
+                                        al[p, j, e] = piece
+                        s = mul(Co[it // ipr, pdo], hv[0])
+                        for j in T.unroll(1, m):
+                            s = add(s, mul(Co[it // ipr, pdo + j], hv[j]))
+                        xo[e] = T.Cast(dtype, s)
+                    if t < N:
+                        c0 = d0 + it % ipr * vec
+                        for h2 in T.unroll(vec // vw):
+                            for e in T.vectorized(vw):
+                                B["X"][t, c0 + h2 * vw + e] = xo[h2 * vw + e]
+                            if expand:
+                                for j in T.unroll(m):
+                                    for e in T.vectorized(vw):
+                                        B["HN"][t, j, c0 + h2 * vw + e] = ol[j, h2 * vw + e]
+                    if mixes:  # the GEMM operand: the stream as stored, or its bf16 pieces
+                        for j in T.unroll(m):
+                            for p in pieces:
+                                for e in T.vectorized(vec):
+                                    if npa > 1:
+                                        As[p][it // ipr, j * DC + it % ipr * vec + e] = al[p, j, e]
+                                    elif expand:
+                                        As[p][it // ipr, j * DC + it % ipr * vec + e] = ol[j, e]
+                                    else:
+                                        As[p][it // ipr, j * DC + it % ipr * vec + e] = xl[u, j, e]
+                if mixes:
+                    T.sync_threads()
+                    for a, b in pairs:
+                        T.gemm(As[a], Bs[b], Cf, transpose_B=True)
+            if mixes:
+                T.copy(Cf, Cs)
+                for u in T.unroll(U):
+                    it = u * _THREADS + tx
+                    t = bx * TB + it // ipr
+                    for k in T.unroll(ipr.bit_length() - 1):  # the ipr lanes of one token row
+                        sq[u] = sq[u] + T.shfl_xor(sq[u], 1 << k)
+                    if t < N and it % ipr == 0:
+                        B["WS"][by, t, mix] = sq[u]
+                T.sync_threads()
+                for u in T.unroll(TB * _NPAD // _THREADS):
+                    it = u * _THREADS + tx
+                    t = bx * TB + it // _NPAD
+                    if t < N and it % _NPAD < mix:
+                        B["WS"][by, t, it % _NPAD] = Cs[it // _NPAD, it % _NPAD]
+
+    return names, _prim_func(names, S, body)
+
+
+def _cuda_finalize_prim_func(m, D, norm_eps, hc_eps, iters):
+    """One thread per token: the KS partial sums in order, then the mixes (CUDA step 2)."""
+    names = _PARAMS["finalize", "main"]
+    splits = cuda_splits(D)
+    S, N = _buffers(names, "float32", m, D, splits)
+    mix = 2 * m + m * m
+    finalize = _finalize_macro(m, m * D, norm_eps, hc_eps, iters)
+    threads = 128
+
+    @T.macro
+    def body(B):
+        with T.Kernel(T.ceildiv(N, threads), threads=threads) as bx:
+            t = bx * threads + T.get_thread_binding()
+            acc = T.alloc_local((mix + 1,), "float32")
+            c = T.alloc_local((m * m,), "float32")
+            if t < N:
+                for q in T.unroll(mix + 1):
+                    acc[q] = B["WS"][0, t, q]
+                    for k in T.unroll(1, splits):
+                        acc[q] = acc[q] + B["WS"][k, t, q]
+                finalize(acc, c, B["SC"], B["BASE"], B["PRE"], B["POST"], B["COMB"], t)
+
+    return names, _prim_func(names, S, body)
