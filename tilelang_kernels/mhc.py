@@ -303,10 +303,15 @@ def build(kind: str, dtype: str, m: int, D: int, norm_eps: float, hc_eps: float,
                  for names, f in fns)
 
 
-def cuda_splits(D: int) -> int:
-    """CTAs along D per token tile: the largest divisor of D/DC up to _MAX_SPLITS."""
-    chunks = D // DC
-    return max(k for k in range(1, _MAX_SPLITS + 1) if chunks % k == 0)
+def cuda_splits(D: int, n: int, slots: int = 3 * 132) -> int:
+    """CTAs along D per token tile for T = n tokens: the divisor K of D/DC that minimises
+    waves x chunks per CTA over `slots` resident CTAs (3 per SM on an H200), with the workspace
+    (K x 128 B per token) kept under ~3% of the stream traffic; at T = 1 that is up to 20 CTAs
+    side by side instead of one CTA walking all of D."""
+    chunks, tiles = D // DC, -(-n // TB)
+    cap = max(1, (D * 2 * 10) * 3 // 100 // (_NPAD * 4))
+    ks = [k for k in range(1, chunks + 1) if chunks % k == 0 and k <= cap] or [1]
+    return min(ks, key=lambda k: (-(-tiles * k // slots) * (chunks // k), k))
 
 
 # ------------------------------------------------------------------------------------- torch.library ops
@@ -317,9 +322,9 @@ _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 def _target(t: torch.Tensor) -> str:
     if t.device.type == "cpu":
         return "c"
-    if t.device.type == "cuda":
+    if t.device.type == "cuda":  # wgmma needs the arch-specific Hopper target (sm_90a)
         major, minor = torch.cuda.get_device_capability(t.device)
-        return f"cuda:sm_{major}{minor}"
+        return f"cuda:sm_{major}{minor}" + ("a" if major == 9 else "")
     raise ValueError(f"mhc kernels: no build for device {t.device}")
 
 
@@ -369,7 +374,7 @@ def _launch(kind, bufs, n, m, d, dtype, eps):
         return
     target = _target(bufs["X"])
     if target != "c" and kind != "post_collapse":
-        bufs["WS"] = bufs["X"].new_empty((cuda_splits(d), n, _NPAD), dtype=torch.float32)
+        bufs["WS"] = bufs["X"].new_empty((cuda_splits(d, n), n, _NPAD), dtype=torch.float32)
     args = {name: _kernel_arg(t, target) for name, t in bufs.items()}
     for names, kernel in build(kind, _DTYPES[dtype], m, d, *eps, target):
         kernel(*(args[name] for name in names))
@@ -471,7 +476,9 @@ def _cuda_main_prim_func(kind, dtype, m, D):
     """The streaming kernel (module docstring, CUDA step 1)."""
     mixes, expand = kind != "post_collapse", kind != "pre"
     names = _PARAMS[kind, "main"]
-    splits = cuda_splits(D)
+    # splits of D: the workspace's leading dim, chosen per call (`cuda_splits`); one chunk per CTA
+    # without mixes
+    splits = T.dynamic("K") if mixes else D // DC
     S, N = _buffers(names, dtype, m, D, splits)
     mix = 2 * m + m * m
     nch = D // DC // splits  # chunks per CTA
@@ -489,7 +496,29 @@ def _cuda_main_prim_func(kind, dtype, m, D):
     pdo = ncf - m
     src = "RES" if expand else "H"
     mul, add = _arith(True)
-    assert TB * ipr % _THREADS == 0 and D % (DC * splits) == 0
+    assert TB * ipr % _THREADS == 0 and D % DC == 0
+
+    @T.macro
+    def load(B, xl, fl, bx, tx, d0):
+        """Issue the global loads of the chunk at column d0: fn (mixes) and the streams."""
+        if mixes:
+            for u in T.unroll(FU):
+                q = u * _THREADS + tx
+                if FU * _THREADS == nfv or q < nfv:
+                    for e in T.vectorized(4):
+                        fl[u, e] = B["FN"][q // (kc // 4), (q % (kc // 4)) * 4 // DC * D + d0
+                                           + (q % (kc // 4)) * 4 % DC + e]
+        for u in T.unroll(U):
+            it = u * _THREADS + tx
+            t = bx * TB + it // ipr
+            if t < N:
+                for h2 in T.unroll(vec // vw):
+                    for j in T.unroll(m):
+                        for e in T.vectorized(vw):
+                            xl[u, j, h2 * vw + e] = B[src][t, j, d0 + it % ipr * vec + h2 * vw + e]
+                    if expand:
+                        for e in T.vectorized(vw):
+                            xl[u, m, h2 * vw + e] = B["Y"][t, d0 + it % ipr * vec + h2 * vw + e]
 
     @T.macro
     def body(B):
@@ -501,13 +530,14 @@ def _cuda_main_prim_func(kind, dtype, m, D):
             xo = T.alloc_local((vec,), dtype)
             hv = T.alloc_local((m,), "float32")
             s = T.alloc_var("float32")
+            fl = T.alloc_local((FU if mixes else 1, 4), "float32")
             if mixes:
                 As = [T.alloc_shared((TB, kc), "bfloat16") for _ in pieces]
                 Bs = [T.alloc_shared((_NPAD, kc), "bfloat16") for _ in range(3)]
                 Cs = T.alloc_shared((TB, _NPAD), "float32")
                 Cf = T.alloc_fragment((TB, _NPAD), "float32")
                 al = T.alloc_local((npa, m, vec), "bfloat16")
-                fl = T.alloc_local((FU, 4), "float32")
+                Cc = T.alloc_fragment((TB, _NPAD), "float32")
                 bl = T.alloc_local((3, 4), "bfloat16")
                 sq = T.alloc_local((U,), "float32")
                 T.clear(Cf)
@@ -528,27 +558,11 @@ def _cuda_main_prim_func(kind, dtype, m, D):
                         if i % ncf < m:
                             Co[i // ncf, i % ncf] = B["PIN"][t, i % ncf]
             T.sync_threads()
+            load(B, xl, fl, bx, tx, by * nch * DC)
             for ch in T.serial(nch):
                 d0 = (by * nch + ch) * DC
                 if mixes:
                     T.sync_threads()  # the previous chunk's GEMM has read As/Bs
-                    for u in T.unroll(FU):
-                        q = u * _THREADS + tx
-                        if FU * _THREADS == nfv or q < nfv:
-                            for e in T.vectorized(4):
-                                fl[u, e] = B["FN"][q // (kc // 4), (q % (kc // 4)) * 4 // DC * D + d0
-                                                   + (q % (kc // 4)) * 4 % DC + e]
-                for u in T.unroll(U):
-                    it = u * _THREADS + tx
-                    t = bx * TB + it // ipr
-                    if t < N:
-                        for h2 in T.unroll(vec // vw):
-                            for j in T.unroll(m):
-                                for e in T.vectorized(vw):
-                                    xl[u, j, h2 * vw + e] = B[src][t, j, d0 + it % ipr * vec + h2 * vw + e]
-                            if expand:
-                                for e in T.vectorized(vw):
-                                    xl[u, m, h2 * vw + e] = B["Y"][t, d0 + it % ipr * vec + h2 * vw + e]
                 if mixes:
                     for u in T.unroll(FU):
                         q = u * _THREADS + tx
@@ -600,10 +614,18 @@ def _cuda_main_prim_func(kind, dtype, m, D):
                                         As[p][it // ipr, j * DC + it % ipr * vec + e] = ol[j, e]
                                     else:
                                         As[p][it // ipr, j * DC + it % ipr * vec + e] = xl[u, j, e]
+                if ch + 1 < nch:  # the next chunk's loads fly while this chunk's GEMM runs
+                    load(B, xl, fl, bx, tx, d0 + DC)
                 if mixes:
                     T.sync_threads()
-                    for a, b in pairs:
-                        T.gemm(As[a], Bs[b], Cf, transpose_B=True)
+                    # Each chunk accumulates on its own and is added to the total in IEEE fp32: the
+                    # tensor cores' accumulation does not round like fp32 adds, and its error
+                    # would otherwise grow with D.
+                    T.clear(Cc)
+                    for a, b in pairs[::-1]:  # the small cross terms first
+                        T.gemm(As[a], Bs[b], Cc, transpose_B=True)
+                    for i, j in T.Parallel(TB, _NPAD):
+                        Cf[i, j] = Cf[i, j] + Cc[i, j]
             if mixes:
                 T.copy(Cf, Cs)
                 for u in T.unroll(U):
@@ -626,7 +648,7 @@ def _cuda_main_prim_func(kind, dtype, m, D):
 def _cuda_finalize_prim_func(m, D, norm_eps, hc_eps, iters):
     """One thread per token: the KS partial sums in order, then the mixes (CUDA step 2)."""
     names = _PARAMS["finalize", "main"]
-    splits = cuda_splits(D)
+    splits = T.dynamic("K")
     S, N = _buffers(names, "float32", m, D, splits)
     mix = 2 * m + m * m
     finalize = _finalize_macro(m, m * D, norm_eps, hc_eps, iters)
@@ -641,7 +663,7 @@ def _cuda_finalize_prim_func(m, D, norm_eps, hc_eps, iters):
             if t < N:
                 for q in T.unroll(mix + 1):
                     acc[q] = B["WS"][0, t, q]
-                    for k in T.unroll(1, splits):
+                    for k in T.serial(1, splits):
                         acc[q] = acc[q] + B["WS"][k, t, q]
                 finalize(acc, c, B["SC"], B["BASE"], B["PRE"], B["POST"], B["COMB"], t)
 

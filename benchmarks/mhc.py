@@ -1,0 +1,128 @@
+"""mHC stream kernels on the GPU: the fused TileLang ops against eager torch (the `*_ref`, which
+compose dsv41c/mhc.py), `torch.compile` of the same refs, and the memory lower bound.
+
+    python3 benchmarks/mhc.py [--dim 5120] [--hc 4] [--tokens 1 64 4096 65536] [--json OUT.json]
+
+Bytes that any implementation must move per call (bf16 streams of m x D, one token = one row):
+  post_pre, post_collapse: read res m*D and y D, write h_new m*D and x D  -> (2m + 2) * D * 2 B
+  pre:                     read h m*D, write x D                          -> (m + 1) * D * 2 B
+(the per-token coefficients, 24 + 24 fp32, and fn, 24 x m*D fp32 once, are left out: < 1%).
+"% bound" = (bytes / copy bandwidth) / kernel time, where the copy bandwidth is a 4 GiB
+device-to-device copy (read + write) measured in the same run.  At T = 1 the bytes are ~100 KB,
+so the table also gives the latency against the launch floor: the time of as many back-to-back
+launches of an empty-work kernel as the op launches (2 for the mixing ops, 1 for post_collapse).
+"""
+
+import argparse
+import json
+
+import torch
+from dsv41c.tilelang_kernels import mhc as K
+from quant import (  # benchmarks/ is the script's path: the codec benchmark's timing
+    bench,
+    copy_bandwidth,
+)
+
+HC = {"norm_eps": 1e-20, "hc_eps": 1e-6, "iters": 20}
+
+
+def inputs(n, m, d, device="cuda"):
+    mix = 2 * m + m * m
+    return {"y": torch.randn(n, d, device=device).bfloat16(),
+            "res": (torch.randn(n, m, d, device=device) * (1 + torch.rand(n, 1, 1, device=device))).bfloat16(),
+            "post": 2 * torch.rand(n, m, device=device), "comb": torch.rand(n, m, m, device=device) / m,
+            "pre_delayed": torch.rand(n, m, device=device) + 1e-6,
+            "fn": torch.randn(mix, m * d, device=device) * (2.0 / (m * d) ** 0.5),
+            "scale": 0.5 + torch.rand(3, device=device), "base": torch.randn(mix, device=device) * 0.5}
+
+
+OPS = {  # name -> (kernel, ref, argument names, mixes, launches, streams read, streams written)
+    "post_pre": (K.mhc_post_pre, K.mhc_post_pre_ref,
+                 ("y", "res", "post", "comb", "pre_delayed", "fn", "scale", "base"), True, 2),
+    "pre": (K.mhc_pre, K.mhc_pre_ref, ("res", "fn", "scale", "base", "pre_delayed"), True, 2),
+    "post_collapse": (K.mhc_post_collapse, K.mhc_post_collapse_ref,
+                      ("y", "res", "post", "comb", "pre_delayed"), False, 1),
+}
+
+
+def min_bytes(op, n, m, d):
+    return (2 * m + 2) * d * 2 * n if op != "pre" else (m + 1) * d * 2 * n
+
+
+def launch_floor(launches):
+    """Milliseconds of `launches` back-to-back launches of a one-element kernel."""
+    t = torch.zeros(1, device="cuda")
+
+    def run():
+        for _ in range(launches):
+            t.add_(1)
+    return bench(run, reps=200)
+
+
+def timed(fn, args, kw, reps=30):
+    return bench(lambda: fn(*args, **kw), reps=reps)
+
+
+def agree(op, got, want):
+    """Streams bit-identical, mixes max abs difference."""
+    ns = 1 if op == "pre" else 2
+    exact = all(torch.equal(g.view(torch.int16), w.view(torch.int16)) for g, w in zip(got[:ns], want[:ns]))
+    mix_err = max(((g - w).abs().max().item() for g, w in zip(got[ns:], want[ns:])), default=0.0)
+    return exact, mix_err
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dim", type=int, default=5120)
+    ap.add_argument("--hc", type=int, default=4)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 4096, 65536])
+    ap.add_argument("--ops", nargs="+", default=list(OPS), choices=list(OPS))
+    ap.add_argument("--no-compile", action="store_true", help="skip torch.compile of the refs")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    m, d = a.hc, a.dim
+    copy_gbs = copy_bandwidth()
+    floors = {k: launch_floor(k) for k in (1, 2)}
+    rows = []
+    for op in a.ops:
+        kern, ref, names, mixes, launches = OPS[op]
+        compiled = None if a.no_compile else torch.compile(ref, dynamic=False)
+        for n in a.tokens:
+            x = inputs(n, m, d)
+            args = tuple(x[k] for k in names)
+            kw = HC if mixes else {}
+            exact, mix_err = agree(op, kern(*args, **kw), ref(*args, **kw))
+            t_k = timed(kern, args, kw)
+            t_e = timed(ref, args, kw, reps=10)
+            t_c = float("nan")
+            if compiled is not None:
+                try:
+                    t_c = timed(compiled, args, kw, reps=10)
+                except Exception as e:  # noqa: BLE001  (report, do not hide: Inductor may reject a ref)
+                    print(f"torch.compile of {op} failed at T={n}: {type(e).__name__}: {str(e)[:200]}")
+            nbytes = min_bytes(op, n, m, d)
+            bound_ms = nbytes / (copy_gbs * 1e9) * 1e3
+            rows.append({"op": op, "tokens": n, "dim": d, "hc": m, "bytes": nbytes, "tilelang_ms": t_k,
+                         "eager_ms": t_e, "compile_ms": t_c, "bound_ms": bound_ms,
+                         "pct_bound": 100 * bound_ms / t_k, "compile_pct_bound": 100 * bound_ms / t_c,
+                         "vs_eager": t_e / t_k, "vs_compile": t_c / t_k,
+                         "launch_floor_ms": floors[launches], "streams_bit_exact": exact, "mixes_max_abs": mix_err})
+    print(f"\ndevice: {torch.cuda.get_device_name()}, copy bandwidth {copy_gbs:.0f} GB/s (4 GiB device-to-device, "
+          f"read + write); launch floor {floors[1] * 1e3:.1f} us (1 launch), {floors[2] * 1e3:.1f} us (2)\n")
+    print("| op | T | MB moved | TileLang us | % bound | eager us | x eager | compile us | compile % bound "
+          "| x compile | launch floor us | streams exact | mixes max abs |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['op']} | {r['tokens']} | {r['bytes'] / 1e6:.2f} | {r['tilelang_ms'] * 1e3:.1f} | "
+              f"{r['pct_bound']:.0f}% | {r['eager_ms'] * 1e3:.1f} | {r['vs_eager']:.1f} | {r['compile_ms'] * 1e3:.1f} | "
+              f"{r['compile_pct_bound']:.0f}% | {r['vs_compile']:.1f} | {r['launch_floor_ms'] * 1e3:.1f} | "
+              f"{r['streams_bit_exact']} | {r['mixes_max_abs']:.1e} |")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump({"copy_gb_s": copy_gbs, "device": torch.cuda.get_device_name(), "launch_floor_ms": floors,
+                       "rows": rows}, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()
