@@ -203,6 +203,36 @@ def test_non_finite_blocks_cpu(fmt):
     assert torch.equal(torch.isnan(y), bad)
 
 
+def e4m3_boundary_rows(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 rows of fp4_e4m3 blocks whose quotients x / s sit within 3 fp32 ulps of an E2M1
+    decision point, for every finite E4M3 scale s (the cases where a quotient computed from a
+    rounded reciprocal could land on the wrong side; the CUDA build corrects it, Markstein).
+    Returns the rows [R, 512] and the intended scale of each block."""
+    g = torch.Generator().manual_seed(seed)
+    scales = e4m3_grid()[1:]                                         # 126 scales
+    x = scales[:, None, None] * ties("fp4_e4m3")[None, :7, None]     # [126, 7 ties, 7 bumps]
+    x = bump(x.expand(-1, -1, 7), torch.arange(-3, 4).expand(126, 7, 7)).reshape(126, 49)
+    amax = 6.0 * scales[:, None]                                    # E4M3(amax / 6) = s exactly
+    x = torch.cat([x, (torch.rand(126, 7, generator=g) * 2 - 1) * amax], dim=1)  # 56 = 4 x 14
+    x = torch.where(torch.rand(x.shape, generator=g) < 0.5, -x, x).reshape(126, 4, 14)
+    blocks = torch.cat([amax[:, :, None].expand(-1, 4, 1), x, -amax[:, :, None].expand(-1, 4, 1) / 3], dim=2)
+    blocks = blocks.reshape(-1, 16)                                 # [504, 16]
+    pad = (-blocks.shape[0]) % 32
+    blocks = torch.cat([blocks, blocks[:pad]])
+    return blocks.reshape(-1, 512), torch.cat([scales.repeat_interleave(4), scales.repeat_interleave(4)[:pad]])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, cuda])])
+def test_fp4_e4m3_quotients_at_code_boundaries(device):
+    seed = fresh_seed()
+    x, want_scales = e4m3_boundary_rows(seed)
+    q_ref, s_ref = REFS["fp4_e4m3"][0](x)
+    assert torch.equal(s_ref.view(torch.float8_e4m3fn).float().reshape(-1), want_scales)
+    q, s = OPS["fp4_e4m3"][0](x.to(device))
+    assert_bits(q, q_ref, f"boundary quotients, seed {seed}")
+    assert_bits(s, s_ref, f"boundary scales, seed {seed}")
+
+
 @pytest.mark.parametrize("fmt", FMTS)
 def test_packed_row_bytes_shapes_and_leading_dims(fmt):
     n = ROW_N[fmt]
@@ -268,13 +298,16 @@ def test_opcheck(fmt):
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (no GPU needed)")
 @pytest.mark.parametrize("fmt", FMTS)
 def test_cuda_source_is_coalesced(fmt):
-    """The sm_90 builds compile, and each thread moves 8 consecutive bf16 (one 16-byte vector) and
-    its packed bytes with one vector access, at offsets threadIdx.x * 8 / * 4 (a warp is contiguous)."""
+    """The sm_90 builds compile, and each thread moves 8 consecutive bf16 (one 16-byte vector: 8
+    bf16, or 4 words of two bf16 in the fp4 quantisers) and its packed bytes with one vector access,
+    at offsets threadIdx.x * 8 / * 4 (a warp is contiguous)."""
     packed = "uint2" if fmt == "fp8" else "uint"
     for direction in ("quant", "dequant"):
         src = K.build(fmt, direction, "bfloat16", ROW_N[fmt], "cuda:sm_90").get_kernel_source()
         x, v = ("X", "V") if direction == "quant" else ("Y", "Q")
-        assert re.search(rf"\*\(uint4\*\)\({x} \+ .*threadIdx\.x\)\) \* \(int64_t\)8\)", src), src
+        words = direction == "quant" and fmt != "fp8"
+        vec, step = ("int4", 4) if words else ("uint4", 8)
+        assert re.search(rf"\*\({vec}\*\)\({x} \+ .*threadIdx\.x\)\) \* \(int64_t\){step}\)", src), src
         step = 8 if fmt == "fp8" else 4
         assert re.search(rf"\*\({packed}\*\)\({v} \+ .*threadIdx\.x\)\) \* \(int64_t\){step}\)", src), src
         if direction == "quant":

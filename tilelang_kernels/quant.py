@@ -51,7 +51,7 @@ __all__ = ["FORMATS", "quant_prim_func", "build", "build_many", "fp8_quant", "fp
 
 FORMATS = {"fp8": 32, "fp4_e4m3": 16, "mxfp4": 32}  # format -> scale block along the last dim
 _CUDA_THREADS = 256  # CUDA: threads per CTA
-_UNROLL = 2  # CUDA: chunks per thread
+_UNROLL = 4  # CUDA: chunks per thread
 _VEC = 8  # CUDA: consecutive values per chunk (16 B of bf16, 8 B of fp8 codes)
 
 
@@ -67,7 +67,7 @@ _B448 = _f32_bits(448.0)
 _R448, _FP8_FLOOR = _f32_bits(1.0 / 448.0), _f32_bits(1e-4)
 _R6, _MX_FLOOR = _f32_bits(1.0 / 6.0), _f32_bits(6.0 * 2.0**-126)
 _E4M3_FLOOR, _SIX = _f32_bits(6.0 * 2.0**-9), _f32_bits(6.0)
-_TWO, _TWO_P9, _TWO_P23, _TWO_P120 = (_f32_bits(2.0**k) for k in (1, 9, 23, 120))
+_TWO, _TWO_P9, _TWO_P23, _TWO_P120, _TWO_P126 = (_f32_bits(2.0**k) for k in (1, 9, 23, 120, 126))
 # E2M1 decision points (bits of 0.25 ... 5.0); True: a tie goes up (MODEL.md §10.1).
 _E2M1_STEPS = tuple((_f32_bits(t), up) for t, up in ((0.25, False), (0.75, True), (1.25, False),
                                                      (1.75, True), (2.5, False), (3.5, True),
@@ -111,20 +111,27 @@ def _flag(cond):
     return T.Cast("uint32", cond)
 
 
+def _below(u, c, fcmp=False):
+    """u < c for fp32 bit patterns u, c of non-negative values (u may be inf/NaN bits).  With fcmp
+    the test is a float comparison (equal for these operands): in the CUDA build TVM rewrites an
+    unsigned `u < c` into `u / c < 1`, which costs a multiply-high per element."""
+    return _f(u) < _f(_u(c)) if fcmp else u < _u(c)
+
+
 def _pow2_scale_exp(amax, floor, recip):
     """Biased exponent kb of s = 2^ceil(log2(max(a, floor) * recip)), read from the fp32 product."""
     t = T.reinterpret(_f(T.max(amax, _u(floor))) * _f(_u(recip)), "uint32")
     return ((t >> _u(23)) & _u(0xFF)) + _flag((t & _u(0x7FFFFF)) != _u(0))
 
 
-def _e4m3_code(u):
+def _e4m3_code(u, fcmp=False):
     """E4M3 magnitude code (0..0x7e) of the non-negative fp32 with bits u <= bits(448), RNE."""
     # subnormal range (u < 2^-6): code = RNE(u * 2^9) < 9, rounded by the fp32 addition of 2^23
     # (the product is exact, so an FMA contraction gives the same bits)
     sub = T.reinterpret(_f(u) * _f(_u(_TWO_P9)) + _f(_u(_TWO_P23)), "uint32") - _u(_TWO_P23)
     # normal range: rebias 127 -> 7 and round the 20 dropped mantissa bits to nearest even
     nor = (u - _u(120 << 23) + _u(0x7FFFF) + ((u >> _u(20)) & _u(1))) >> _u(20)
-    return T.Select(u < _u(0x3C800000), sub, nor)
+    return T.Select(_below(u, 0x3C800000, fcmp), sub, nor)
 
 
 def _e4m3_value(c):
@@ -142,7 +149,7 @@ def _e8m0_value(c):
     return _f(T.Select(c == _u(255), _u(_NAN), v))
 
 
-def _e2m1_code(v_bits):
+def _e2m1_code(v_bits, fcmp=False, saturate=True):
     """E2M1 magnitude code 0..7 of the non-negative fp32 with bits v_bits (>= 6 -> 7, NaN -> 7).
 
     Round to nearest even on the E2M1 grid, which is the spec's tie rule: below 1, code =
@@ -151,7 +158,8 @@ def _e2m1_code(v_bits):
     bit pattern, to counting the thresholds in _E2M1_STEPS."""
     sub = T.reinterpret(_f(v_bits) * _f(_u(_TWO)) + _f(_u(_TWO_P23)), "uint32") - _u(_TWO_P23)
     nor = (v_bits - _u(126 << 23) + _u(0x1FFFFF) + ((v_bits >> _u(22)) & _u(1))) >> _u(22)
-    return T.min(T.Select(v_bits < _u(0x3F800000), sub, nor), _u(7))
+    code = T.Select(_below(v_bits, 0x3F800000, fcmp), sub, nor)
+    return T.min(code, _u(7)) if saturate else code
 
 
 def _e2m1_value(c):
@@ -276,7 +284,15 @@ def _cuda_prim_func(fmt, direction, dtype, n):
     chunks, one CTA-width apart, loading all of them before computing.  A scale block spans
     G = block/_VEC consecutive lanes: its amax is a shfl_xor butterfly over those lanes (every
     lane of the warp takes part, out-of-range lanes with amax 0) and its first lane stores the
-    scale byte."""
+    scale byte.
+
+    Per element the CUDA build uses the hardware where it rounds exactly like the reference:
+    E4M3 codes come from `cvt.rn.satfinite` (round to nearest even, saturating at 448) and go
+    back through the exact E4M3 -> fp32 conversion; bf16 results are rounded by `cvt.rn.bf16`;
+    the IEEE quotient |x| / s of the fp4_e4m3 format is one multiply by r = 1/s (rounded once)
+    and two FMAs (Markstein: with r = RN(1/s) and q0 within an ulp of |x|/s, the residual
+    |x| - q0 s is exact and RN(q0 + residual r) = RN(|x| / s)).  E2M1 has no conversion
+    instruction on sm_90, so its codes use the integer rounding shared with the C build."""
     block = FORMATS[fmt]
     G, cpr, tpb = block // _VEC, n // _VEC, _CUDA_THREADS
     tile = tpb * _UNROLL
@@ -297,6 +313,8 @@ def _cuda_prim_func(fmt, direction, dtype, n):
         return r, c, ok
 
     esz = 4 if dtype == "float32" else 2
+    if direction == "quant" and fmt != "fp8" and dtype == "bfloat16":
+        return _cuda_fp4_quant_bf16(fmt, n, N, at, rpc, gy, G)
 
     if direction == "quant":
         floor, recip = (_FP8_FLOOR, _R448) if fmt == "fp8" else (_MX_FLOOR, _R6)
@@ -309,7 +327,8 @@ def _cuda_prim_func(fmt, direction, dtype, n):
                 ql = T.alloc_local((_UNROLL, nv), "uint8")
                 am = T.alloc_local((_UNROLL,), "uint32")
                 sb = T.alloc_local((_UNROLL,), "uint32")
-                sf = T.alloc_local((_UNROLL,), "float32")
+                sf = T.alloc_local((_UNROLL,), "float32")  # fp8: 2^-k (NaN for a non-finite block)
+                rc = T.alloc_local((_UNROLL,), "float32")  # fp4 formats: 2^-k or RN(1/s)
                 for u in T.unroll(_UNROLL):
                     r, c, ok = at(u, tx, bx, by)
                     if ok:
@@ -326,28 +345,24 @@ def _cuda_prim_func(fmt, direction, dtype, n):
                         am[u] = T.max(am[u], T.shfl_xor(am[u], 1 << k))
                     if fmt == "fp4_e4m3":
                         sb[u] = _e4m3_code(T.min(T.reinterpret(
-                            _f(T.max(am[u], _u(_E4M3_FLOOR))) / _f(_u(_SIX)), "uint32"), _u(_B448)))
+                            _f(T.max(am[u], _u(_E4M3_FLOOR))) / _f(_u(_SIX)), "uint32"), _u(_B448)), True)
                         sf[u] = _e4m3_value(sb[u])
-                        sb[u] = T.Select(am[u] < _u(_INF), sb[u], _u(0x7F))
+                        rc[u] = T.ieee_frcp(sf[u])
+                        sb[u] = T.Select(_below(am[u], _INF, True), sb[u], _u(0x7F))
                     else:
                         sb[u] = _pow2_scale_exp(am[u], floor, recip)
-                        sf[u] = _f((_u(254) - sb[u]) << _u(23))
-                        sb[u] = T.Select(am[u] < _u(_INF), sb[u], _u(255))
+                        rc[u] = _f((_u(254) - sb[u]) << _u(23))
+                        sf[u] = _f(T.Select(_below(am[u], _INF, True), (_u(254) - sb[u]) << _u(23), _u(_NAN)))
+                        sb[u] = T.Select(_below(am[u], _INF, True), sb[u], _u(255))
                     if fmt == "fp8":
                         for j in T.unroll(_VEC):
-                            ql[u, j] = T.Cast("uint8", T.Select(
-                                am[u] < _u(_INF),
-                                _e4m3_code(T.min(_scaled_bits(_bits(xl[u, j]), sf[u], fmt), _u(_B448)))
-                                | ((_bits(xl[u, j]) >> _u(24)) & _u(0x80)),
-                                _u(0x7F)))
+                            ql[u, j] = T.reinterpret(T.Cast("float8_e4m3fn", _f(_bits(xl[u, j])) * sf[u]), "uint8")
                     else:
                         for i in T.unroll(_VEC // 2):
                             ql[u, i] = T.Cast("uint8", T.Select(
-                                am[u] < _u(_INF),
-                                (_e2m1_code(_scaled_bits(_bits(xl[u, 2 * i]), sf[u], fmt))
-                                 | ((_bits(xl[u, 2 * i]) >> _u(28)) & _u(8)))
-                                | ((_e2m1_code(_scaled_bits(_bits(xl[u, 2 * i + 1]), sf[u], fmt))
-                                    | ((_bits(xl[u, 2 * i + 1]) >> _u(28)) & _u(8))) << _u(4)),
+                                _below(am[u], _INF, True),
+                                _e2m1_signed(_bits(xl[u, 2 * i]), sf[u], rc[u], fmt)
+                                | (_e2m1_signed(_bits(xl[u, 2 * i + 1]), sf[u], rc[u], fmt) << _u(4)),
                                 _u(0)))
                     if ok:
                         for j in T.vectorized(nv):
@@ -363,6 +378,7 @@ def _cuda_prim_func(fmt, direction, dtype, n):
             ql = T.alloc_local((_UNROLL, nv), "uint8")
             sl = T.alloc_local((_UNROLL,), "uint8")
             yl = T.alloc_local((_UNROLL, _VEC), dtype)
+            sf = T.alloc_local((_UNROLL,), "float32")
             for u in T.unroll(_UNROLL):
                 r, c, ok = at(u, tx, bx, by)
                 if ok:
@@ -372,22 +388,133 @@ def _cuda_prim_func(fmt, direction, dtype, n):
             for u in T.unroll(_UNROLL):
                 r, c, ok = at(u, tx, bx, by)
                 if ok:
+                    sf[u] = (_e4m3_value(T.Cast("uint32", sl[u])) if fmt == "fp4_e4m3"
+                             else _e8m0_value(T.Cast("uint32", sl[u])))
                     if fmt == "fp8":
                         for j in T.unroll(_VEC):
-                            yl[u, j] = _store(dtype, _e4m3_value(T.Cast("uint32", ql[u, j]))
-                                              * _e8m0_value(T.Cast("uint32", sl[u])))
+                            yl[u, j] = T.Cast(dtype, T.Cast("float32", T.reinterpret(ql[u, j], "float8_e4m3fn"))
+                                              * sf[u])
                     else:
                         for i in T.unroll(_VEC // 2):
-                            yl[u, 2 * i] = _store(dtype, _e2m1_value(T.Cast("uint32", ql[u, i]) & _u(0xF))
-                                                  * (_e8m0_value(T.Cast("uint32", sl[u])) if fmt == "mxfp4"
-                                                     else _e4m3_value(T.Cast("uint32", sl[u]))))
-                            yl[u, 2 * i + 1] = _store(dtype, _e2m1_value(T.Cast("uint32", ql[u, i]) >> _u(4))
-                                                      * (_e8m0_value(T.Cast("uint32", sl[u])) if fmt == "mxfp4"
-                                                         else _e4m3_value(T.Cast("uint32", sl[u]))))
+                            yl[u, 2 * i] = T.Cast(dtype, _e2m1_scaled(T.Cast("uint32", ql[u, i]), sf[u]))
+                            yl[u, 2 * i + 1] = T.Cast(dtype, _e2m1_scaled(T.Cast("uint32", ql[u, i]) >> _u(4), sf[u]))
                     for h in T.unroll(_VEC * esz // 16):
                         for j in T.vectorized(16 // esz):
                             Y[r, c * _VEC + h * (16 // esz) + j] = yl[u, h * (16 // esz) + j]
     return main
+
+
+def _cuda_fp4_quant_bf16(fmt, n, N, at, rpc, gy, G):
+    """bf16 rows to E2M1 on CUDA, reading the row as 32-bit words of two bf16 (the op passes an
+    int32 view): the block amax takes one `__vmaxu2` (two 16-bit maxima) per word on the
+    magnitude bits, each word yields one packed byte, and its two sign bits move into the nibbles
+    with two shifts.  Same layout of work as `_cuda_prim_func`."""
+    tpb, nw = _CUDA_THREADS, _VEC // 2
+
+    @T.prim_func
+    def main(X: T.Tensor((N, n // 2), "int32"), V: T.Tensor((N, n // 2), "uint8"),
+             S: T.Tensor((N, n // FORMATS[fmt]), "uint8")):
+        with T.Kernel(T.ceildiv(N, rpc), gy, threads=tpb) as (bx, by):
+            tx = T.get_thread_binding()
+            wl = T.alloc_local((_UNROLL, nw), "int32")
+            ql = T.alloc_local((_UNROLL, nw), "uint8")
+            am = T.alloc_local((_UNROLL,), "uint32")
+            sb = T.alloc_local((_UNROLL,), "uint32")
+            sf = T.alloc_local((_UNROLL,), "float32")
+            rc = T.alloc_local((_UNROLL,), "float32")
+            keep = T.alloc_local((_UNROLL,), "uint32")
+            wa = T.alloc_local((_UNROLL, nw), "uint32")
+            for u in T.unroll(_UNROLL):
+                r, c, ok = at(u, tx, bx, by)
+                if ok:
+                    for j in T.vectorized(nw):
+                        wl[u, j] = X[r, c * nw + j]
+            for u in T.unroll(_UNROLL):
+                r, c, ok = at(u, tx, bx, by)
+                am[u] = _u(0)
+                if ok:
+                    for j in T.unroll(nw):
+                        wa[u, j] = T.reinterpret(wl[u, j], "uint32") & _u(0x7FFF7FFF)
+                        am[u] = T.call_extern("uint32", "__vmaxu2", am[u], wa[u, j])
+                am[u] = T.max(am[u] & _u(0xFFFF), am[u] >> _u(16)) << _u(16)
+                for k in T.unroll(G.bit_length() - 1):
+                    am[u] = T.max(am[u], T.shfl_xor(am[u], 1 << k))
+                if fmt == "fp4_e4m3":
+                    sb[u] = _e4m3_code(T.min(T.reinterpret(_quotient(
+                        _f(T.max(am[u], _u(_E4M3_FLOOR))), _f(_u(_SIX)), _f(_u(_R6)), fmt), "uint32"), _u(_B448)), True)
+                    sf[u] = _e4m3_value(sb[u])
+                    rc[u] = T.ieee_frcp(sf[u])
+                    sb[u] = T.Select(_below(am[u], _INF, True), sb[u], _u(0x7F))
+                else:
+                    sb[u] = _pow2_scale_exp(am[u], _MX_FLOOR, _R6)
+                    rc[u] = _f((_u(254) - sb[u]) << _u(23))
+                    sb[u] = T.Select(_below(am[u], _INF, True), sb[u], _u(255))
+                keep[u] = T.Select(_below(am[u], _INF, True), _u(0xFF), _u(0))  # a non-finite block: codes 0
+                for j in T.unroll(nw):
+                    ql[u, j] = T.Cast("uint8", _e2m1_pair(T.reinterpret(wl[u, j], "uint32"), wa[u, j], sf[u], rc[u], fmt)
+                                      & keep[u])
+                if ok:
+                    for j in T.vectorized(nw):
+                        V[r, c * nw + j] = ql[u, j]
+                    if c % G == 0:
+                        S[r, c // G] = T.Cast("uint8", sb[u])
+    return main
+
+
+def _quotient(a, sf, rc, fmt):
+    """|x| / s in fp32: a * 2^-k for the power-of-two scale (exact), or for the E4M3 scale the IEEE
+    quotient by Markstein's correction of a * RN(1/s): with r = RN(1/s) and q0 within an ulp of
+    a / s, the residual a - q0 s is exact and RN(q0 + residual r) = RN(a / s)."""
+    q0 = a * rc
+    if fmt == "fp4_e4m3":
+        return T.ieee_fmaf(T.ieee_fmaf(-q0, sf, a), rc, q0)
+    return q0
+
+
+def _e2m1_code_fadd(q_bits):
+    """E2M1 magnitude code of the non-negative fp32 q <= 6 (bits q_bits), by one fp32 addition:
+    with E = max(exponent of q, 127) and M = 2^(E - 105), the quantum of M's binade is the E2M1
+    step of q's binade (0.5 below 2, then 1, 2), so fl(q + M) - M rounds q onto the E2M1 grid to
+    nearest even, and bits(fl(q + M)) - bits(M) counts steps above the binade's base, whose code
+    is 2 (E - 127).  Checked against the threshold rule for every fp32 pattern in [0, 8]."""
+    e = T.max(q_bits >> _u(23), _u(127))
+    total = T.reinterpret(_f(q_bits) + _f((e + _u(22)) << _u(23)), "uint32")
+    return total - e * _u((1 << 23) - 2) - _u((22 << 23) + 254)
+
+
+def _e2m1_pair(w, wa, sf, rc, fmt):
+    """Packed byte of the two bf16 in the 32-bit word w (element 2i low, 2i+1 high nibble); wa is
+    w with the two sign bits cleared.  The signs move to bits 3 and 7 by two shifts of w's sign
+    bits; bits beyond the byte are cut by the uint8 store."""
+    codes = []
+    for bits in (wa << _u(16), wa & _u(0xFFFF0000)):
+        q = T.reinterpret(_quotient(_f(bits), sf, rc, fmt), "uint32")
+        if fmt == "fp4_e4m3":  # s is E4M3-rounded (or saturated at 448): q can pass 6; codes stop at 7
+            q = T.min(q, _u(_SIX))
+        codes.append(_e2m1_code_fadd(q))
+    signs = w & _u(0x80008000)
+    return (codes[0] | (codes[1] << _u(4))) | ((signs >> _u(12)) | (signs >> _u(24)))
+
+
+def _e2m1_signed(xb, sf, rc, fmt):
+    """Signed E2M1 nibble of the fp32 bits xb scaled by the block scale (CUDA build)."""
+    a = _f(xb & _u(_ABS))
+    if fmt == "fp4_e4m3":  # RN(a / s) by Markstein's correction of a * RN(1/s)
+        q0 = a * rc
+        q = T.ieee_fmaf(T.ieee_fmaf(-q0, sf, a), rc, q0)
+    else:
+        q = a * rc
+    # an mxfp4 block needs no saturation: s >= amax / 6, so |x| / s <= 6 (code 7)
+    code = _e2m1_code(T.reinterpret(q, "uint32"), fcmp=True, saturate=fmt == "fp4_e4m3")
+    return code | ((xb >> _u(28)) & _u(8))
+
+
+def _e2m1_scaled(c, sf):
+    """fp32 value of the E2M1 code in the low nibble of c times the scale sf (CUDA build): the
+    magnitude bits placed at fp32 bias land on 2^-126 times the value (code 1 on the subnormal
+    2^-127), so one exact multiply by 2^126 rescales them."""
+    mag = _f((c & _u(7)) << _u(22)) * _f(_u(_TWO_P126))
+    return _f(T.reinterpret(mag, "uint32") | ((c & _u(8)) << _u(28))) * sf
 
 
 @functools.lru_cache(maxsize=None)
@@ -465,6 +592,8 @@ def _quant(fmt, x):
         target = _target(x)
         x2 = _kernel_view(_aligned(x.reshape(-1, n).contiguous(), target), target)
         _check_grid(fmt, x2.shape[0], n)
+        if target != "c" and fmt != "fp8" and x.dtype == torch.bfloat16:
+            x2 = x2.view(torch.int32)  # the CUDA build reads bf16 pairs as 32-bit words
         build(fmt, "quant", _DTYPES[x.dtype], n, target)(x2, vals.view(x2.shape[0], -1),
                                                          scales.view(x2.shape[0], -1))
     return vals, scales
