@@ -4,7 +4,10 @@
     model = dsv41c.load_model(path, dtype=torch.float32, kv_quant=False, device="cpu")
     logits = model(input_ids, start_pos=0, full_logits=True)   # [B, S, V] fp32
     logits = model(next_ids, start_pos=S)                      # [B, V]
+
+    compiled = dsv41c.compile(model)                           # same call surface, fused projections
 """
+from dsv41c.compiler import compile
 from dsv41c.config import ModelArgs
 from dsv41c.errors import (ArtifactError, CheckpointError, ConfigError, DSV41CError, GoldenMismatch,
                            InputError)
@@ -15,7 +18,7 @@ from dsv41c.weights import build_model, init_weights, load_model, save_checkpoin
 __version__ = "0.1.0"
 
 __all__ = [
-    "ModelArgs", "Transformer", "Tokenizer", "load_tokenizer", "build_model", "init_weights", "load_model",
+    "ModelArgs", "Transformer", "compile", "Tokenizer", "load_tokenizer", "build_model", "init_weights", "load_model",
     "save_checkpoint", "DSV41CError", "ConfigError", "CheckpointError", "InputError", "GoldenMismatch",
     "ArtifactError", "__version__",
 ]

@@ -1,48 +1,226 @@
-"""`dsv41c.compile`: the eager model through Dynamo (fullgraph) and Inductor, with our pass
-pipeline installed as Inductor's post-grad custom pass.
+"""`dsv41c.compile`: the eager model through Dynamo (fullgraph) and AOT autograd to the post-grad aten
+graph, where our pass pipeline runs as Inductor's `post_grad_custom_post_pass`.
 
 Weights are frozen (Inductor `freezing`), so passes see them as constants and can rewrite them once
 at compile time; CPU weight prepacking is off so the GEMMs stay visible as `aten.mm`. Sequence
-length and position are dynamic. The compiled callable has the model's signature and shares its
-caches.
+length and position are dynamic; float module attributes (eps, limits) are specialised, as they are
+hyperparameters. The compiled callable has the model's signature and shares its caches.
+
+Two backends run the same front half (Dynamo, AOT autograd with Inductor's decompositions, freezing,
+Inductor's joint-graph and post-grad passes with our pipeline among them):
+
+- "inductor" (the default): Inductor then generates code (C++ on CPU, Triton on CUDA). A whole-model
+  graph takes minutes of code generation on a CPU core.
+- "passes_only": the rewritten post-grad aten graph is executed directly as an FX GraphModule, with
+  no Inductor code generation. It is a faithful, fast check of what the passes did (op counts and
+  numerics of the very graph Inductor would lower); it is not faster than eager.
 """
 from __future__ import annotations
 
+import re
 import time
-from typing import Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
+from torch import fx
 
+from dsv41c.errors import InputError
 from dsv41c.model import Transformer
+from dsv41c.passes.manager import GraphPass, PassPipeline, PassStats, build_pipeline
 
 DEFAULT_PASSES = ("fuse_wqa_wkv",)
+BACKENDS = ("inductor", "passes_only")
+aten = torch.ops.aten
 
 
 def inductor_options(pipeline) -> dict:
     return {"freezing": True, "cpp.weight_prepack": False, "post_grad_custom_post_pass": pipeline}
 
 
+# ------------------------------------------------------------------------------ backends
+def _post_grad_only(gm: fx.GraphModule, example_inputs, **kwargs: Any):
+    """An Inductor `inner_compile` that stops after the post-grad passes: the same preparation as
+    Inductor's own (view -> reshape, fake-tensor propagation, `_recursive_post_grad_passes`, which
+    runs our pipeline), then the GraphModule itself is the compiled function. Private torch API,
+    pinned by the torch version range in pyproject.toml."""
+    from torch._inductor.compile_fx import (
+        _recursive_post_grad_passes,
+        fake_tensor_prop,
+        view_to_reshape,
+    )
+    from torch._inductor.virtualized import V
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():             # as compile_fx_inner: passes build real constants
+        view_to_reshape(gm)
+        with torch.no_grad():
+            fake_mode = fake_tensor_prop(gm, example_inputs)
+        with V.set_fake_mode(fake_mode):
+            _recursive_post_grad_passes(gm, is_inference=kwargs.get("is_inference", True))
+        gm.recompile()
+
+    def run(args: list) -> Any:
+        inputs = list(args)
+        args.clear()                           # boxed calling convention: the callee owns the list
+        return gm(*inputs)
+
+    run._boxed_call = True
+    return run
+
+
+def dynamo_backend(name: str):
+    """The Dynamo backend of `name` (one of BACKENDS); the Inductor config in effect applies."""
+    from torch._inductor.compile_fx import compile_fx
+    if name == "inductor":
+        return compile_fx
+    return lambda gm, example_inputs: compile_fx(gm, example_inputs, inner_compile=_post_grad_only)
+
+
+# ------------------------------------------------------------------------------ op counts
+@dataclass(frozen=True)
+class OpCounts:
+    """Ops of one post-grad aten graph.
+
+    gemms: aten.mm and aten.addmm (the projections); batched_gemms: aten.bmm (einsum contractions:
+    attention scores and values, grouped wo_a, routed experts); mhc: call_function nodes traced
+    from dsv41c/mhc.py (mixes, the Sinkhorn's sum/div chain, collapse, expand); cache_writes: aten.copy_
+    into a graph input (the write-back of a functionalised in-place cache update); nodes: every
+    call_function node.
+    """
+    gemms: int = 0
+    batched_gemms: int = 0
+    mhc: int = 0
+    cache_writes: int = 0
+    nodes: int = 0
+
+    def __add__(self, other: OpCounts) -> OpCounts:
+        return OpCounts(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+
+GEMM_OPS = (aten.mm.default, aten.addmm.default)
+MHC_SOURCE = "dsv41c/mhc.py"
+
+
+def traced_from(node: fx.Node) -> str:
+    """The innermost source frame of a node (`File "...", line N, in fn`), '' if unknown."""
+    frames = [line for line in (node.meta.get("stack_trace") or "").splitlines() if line.lstrip().startswith("File")]
+    return frames[-1].strip().replace("\\", "/") if frames else ""
+
+
+def module_path(node: fx.Node) -> str:
+    """The model submodule a node was traced in ("layers.3.attn.wq_a"), else that of its first input
+    that has one (nodes a pass creates carry no source of their own); "" if none."""
+    while node is not None:
+        stack = node.meta.get("nn_module_stack")
+        if stack:
+            return _MODULE_PREFIX.sub("", list(stack.values())[-1][0])
+        node = next(iter(node.all_input_nodes), None)
+    return ""
+
+
+_MODULE_PREFIX = re.compile(r"^L\['\w+'\](\.__self__)?\.?")
+
+
+def gemm_modules(graph: fx.Graph) -> tuple[str, ...]:
+    """`module_path` of every GEMM node, in graph order."""
+    return tuple(module_path(n) for n in graph.nodes if n.op == "call_function" and n.target in GEMM_OPS)
+
+
+def count_ops(graph: fx.Graph) -> OpCounts:
+    gemms = bmm = mhc = writes = nodes = 0
+    for n in graph.nodes:
+        if n.op != "call_function":
+            continue
+        nodes += 1
+        gemms += n.target in GEMM_OPS
+        bmm += n.target is aten.bmm.default
+        mhc += MHC_SOURCE in traced_from(n)
+        writes += n.target is aten.copy_.default and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder"
+    return OpCounts(gemms, bmm, mhc, writes, nodes)
+
+
+# ------------------------------------------------------------------------------ observation
+@dataclass
+class GraphSnapshot:
+    """One compiled graph as a stage left it: stage is "input" (the post-grad graph handed to the
+    pipeline) or the name of the pass just run; gemms: `module_path` of each GEMM."""
+    graph: int
+    stage: str
+    counts: OpCounts
+    gemms: tuple[str, ...]
+    code: str | None = None
+
+
+class ObservedPass(GraphPass):
+    """Runs `inner` and records the graph before it (first pass only) and after it."""
+
+    def __init__(self, inner: GraphPass, log: list[GraphSnapshot], first: bool, keep_code: bool):
+        super().__init__(**inner.options)
+        self.inner, self.log, self.first, self.keep_code = inner, log, first, keep_code
+        self.name = inner.name
+        self.graphs = 0
+
+    def _record(self, graph: fx.Graph, stage: str) -> None:
+        code = graph.owning_module.print_readable(print_output=False) if self.keep_code else None
+        self.log.append(GraphSnapshot(self.graphs, stage, count_ops(graph), gemm_modules(graph), code))
+
+    def apply(self, graph: fx.Graph) -> PassStats:
+        self.graphs += 1
+        if self.first:
+            self._record(graph, "input")
+        stats = self.inner.apply(graph)
+        self._record(graph, self.name)
+        return stats
+
+
+# ------------------------------------------------------------------------------ compiled model
 class CompiledModel:
     """Same call surface as `Transformer.forward`; `pipeline.stats` holds the pass statistics of
     the graphs compiled in this process (an Inductor cache hit, keyed by the pipeline's uuid, reuses
-    the rewritten graph without running the passes again)."""
+    the rewritten graph without running the passes again; `observe` turns that cache off).
 
-    def __init__(self, model: Transformer, passes: Sequence[str] | None, strict: bool):
-        from dsv41c.passes.manager import PassPipeline, build_pipeline
-        self.model = model
+    observe: record `snapshots` (op counts of every graph before the passes and after each one);
+    keep_code: also keep each snapshot's readable graph code (large).
+    """
+
+    def __init__(self, model: Transformer, passes: Sequence[str] | None, strict: bool, backend: str = "inductor",
+                 observe: bool = False, keep_code: bool = False):
+        if backend not in BACKENDS:
+            raise InputError(f"backend: expected one of {BACKENDS}, found {backend!r}")
+        self.model, self.backend = model, backend
         self.pipeline = build_pipeline(passes, strict) if passes else PassPipeline([], strict)
+        self.observe = observe or keep_code
+        self.snapshots: list[GraphSnapshot] = []
+        if self.observe:
+            self.pipeline.passes = [ObservedPass(p, self.snapshots, i == 0, keep_code)
+                                    for i, p in enumerate(self.pipeline.passes)]
+        self.graphs = 0
         self.compile_seconds = 0.0
-        self._fn = torch.compile(model.forward, fullgraph=True, dynamic=True)
+        inner = dynamo_backend(backend)
+
+        def counting_backend(gm, example_inputs):
+            self.graphs += 1
+            return inner(gm, example_inputs)
+
+        self._fn = torch.compile(model.forward, backend=counting_backend, fullgraph=True, dynamic=True)
+
+    def _options(self) -> dict:
+        options = inductor_options(self.pipeline)
+        if self.observe:                      # a cache hit would skip the passes being watched
+            options["fx_graph_cache"] = False
+        return options
 
     def __call__(self, input_ids: torch.Tensor, start_pos: int = 0, full_logits: bool = False,
                  return_hidden: bool = False):
         self.model.check_inputs(input_ids, start_pos)          # eager-side checks (values of ids)
-        t0 = time.perf_counter()
-        graphs = self.pipeline.graphs
-        with torch.no_grad(), torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True), \
-                torch._inductor.config.patch(inductor_options(self.pipeline)):
+        t0, graphs = time.perf_counter(), self.graphs
+        with torch.no_grad(), \
+                torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, specialize_float=True), \
+                torch._inductor.config.patch(self._options()):
             out = self._fn(input_ids, start_pos, full_logits, return_hidden)
-        if self.pipeline.graphs != graphs:
+        if self.graphs != graphs:
             self.compile_seconds += time.perf_counter() - t0
         return out
 
@@ -50,7 +228,10 @@ class CompiledModel:
         return getattr(self.model, name)
 
 
-def compile(model: Transformer, passes: Sequence[str] | None = DEFAULT_PASSES, strict: bool = False) -> CompiledModel:
+def compile(model: Transformer, passes: Sequence[str] | None = DEFAULT_PASSES, strict: bool = False, *,
+            backend: str = "inductor", observe: bool = False, keep_code: bool = False) -> CompiledModel:
     """Compile `model` (prefill and decode steps) with the named passes; strict: a pass that matches
-    nothing is an error."""
-    return CompiledModel(model, passes, strict)
+    nothing is an error. backend: "inductor" (code generation) or "passes_only" (the rewritten aten
+    graph runs as is, see the module docstring). Graphs compile lazily, at the first call of each
+    shape class (prefill, decode, ...)."""
+    return CompiledModel(model, passes, strict, backend, observe, keep_code)

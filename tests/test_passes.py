@@ -1,13 +1,26 @@
-"""The pass framework and fuse_wqa_wkv on small graphs (fast: one Inductor compile each)."""
+"""The pass framework and fuse_wqa_wkv: on small graphs (one Inductor compile each), and on the
+whole model through the passes_only backend, GEMMs per layer kind and numerics against eager."""
+import json
+from pathlib import Path
+
 import pytest
 import torch
+from dsv41c.passes.fuse_wqa_wkv import FuseSiblingLinears
+from dsv41c.passes.manager import (
+    GraphPass,
+    PassError,
+    PassPipeline,
+    PassStats,
+    build_pipeline,
+)
 from torch import nn
 
-from dsv41c.compiler import inductor_options
-from dsv41c.passes.fuse_wqa_wkv import FuseSiblingLinears
-from dsv41c.passes.manager import GraphPass, PassError, PassPipeline, PassStats, build_pipeline
+import dsv41c
+from dsv41c import golden
+from dsv41c.compiler import BACKENDS, ObservedPass, dynamo_backend, inductor_options
 
 aten = torch.ops.aten
+TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.json"
 
 
 class CountGemms(GraphPass):
@@ -107,3 +120,98 @@ def test_pipeline_uuid_tracks_passes_options_and_source():
 def test_unknown_pass_is_an_error():
     with pytest.raises(PassError, match="unknown pass 'nope'"):
         build_pipeline(["nope"])
+
+
+def test_passes_only_backend_hands_the_pipeline_the_graph_inductor_does():
+    """passes_only stops after the post-grad passes; up to there it is Inductor's path (freezing
+    included), so the pipeline sees the same graph and leaves the same rewrite, which then runs."""
+    module, x = Siblings().eval(), torch.randn(3, 7, 64)
+    with torch.no_grad():
+        ref = module(x)
+    seen = {}
+    for backend in BACKENDS:
+        torch._dynamo.reset()
+        log = []
+        pipe = PassPipeline([ObservedPass(FuseSiblingLinears(), log, first=True, keep_code=True)], strict=True)
+        options = {**inductor_options(pipe), "fx_graph_cache": False}
+        with torch.no_grad(), torch._inductor.config.patch(options):
+            out = torch.compile(module, backend=dynamo_backend(backend), fullgraph=True)(x)
+        for o, r in zip(out, ref):
+            assert ((o - r).abs().max() / r.abs().max()).item() < 1e-6
+        seen[backend] = [(s.stage, s.counts, s.code) for s in log]
+    assert [(stage, counts.gemms) for stage, counts, _ in seen["passes_only"]] == [("input", 4), ("fuse_wqa_wkv", 2)]
+    assert seen["passes_only"] == seen["inductor"]
+
+
+# ---------------------------------------------------------------------------- the whole model
+def attention_gemms(role, completes_group: bool) -> tuple[int, int]:
+    """(before, after) GEMMs of one attention sublayer, from the projections of spec §6.
+
+    On the attention input x: wq_a, wkv, the compressor's wkv (and wgate when ratio >= 2) in a kv
+    source, the indexer's weights_proj in an index source. On qr = q_norm(wq_a(x)): wq_b and the
+    indexer's wq_b. On their own inputs: wo_b, and the indexer's wk when a layer owning index keys
+    completes a compression group in this call. wo_a is the grouped einsum (a bmm, not counted).
+    fuse_wqa_wkv turns the x group and the qr group into one GEMM each (fp32: one weight dtype).
+    """
+    on_x = 2 + (role.ratio >= 2 and role.is_kv_source) + role.is_kv_source + role.is_index_source
+    on_qr = 1 + role.is_index_source
+    alone = 1 + (role.owns_index_keys and completes_group)
+    return on_x + on_qr + alone, 1 + 1 + alone
+
+
+def per_attention_layer(paths) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for path in paths:
+        parts = path.split(".")
+        if len(parts) > 2 and parts[0] == "layers" and parts[2] == "attn":
+            counts[int(parts[1])] = counts.get(int(parts[1]), 0) + 1
+    return counts
+
+
+@pytest.fixture(scope="module")
+def compiled_golden(tmp_path_factory):
+    """tiny's dimensions cut to one layer of each compressed kind (Full, Reindex, Reuse, ratio 1,
+    with the candidate funnel; 2 experts, 1 Sinkhorn iteration, no Engram or DSpark: the compile of
+    the prefill graph grows with all of these), a golden file recorded from it, and the check of
+    dsv41c.compile (passes_only) against eager."""
+    raw = json.loads(TINY.read_text())
+    raw.update(n_layers=3, n_mtp_layers=0, compress_ratios=[1, 1, 1], kv_source_layers=[0],
+               index_source_layers=[0, 1], candidate_source_layer=0, n_routed_experts=2,
+               n_activated_experts=1, hc_sinkhorn_iters=1, engram_layer_ids=[], engram_num_embeddings=[],
+               dspark_block_size=0, dspark_target_layer_ids=[])
+    root = tmp_path_factory.mktemp("kinds")
+    config = root / "kinds.json"
+    config.write_text(json.dumps(raw))
+    path = golden.record(config, root / "golden", decode_steps=1)
+    torch._dynamo.reset()
+    model = golden.load_golden(path).build_model()
+    compiled = dsv41c.compile(model, strict=True, backend="passes_only", observe=True)
+    report = golden.check(path, runner=compiled, model=model, runner_name="compiled")
+    return model, compiled, report
+
+
+def test_compiled_model_matches_eager_within_the_design_bound(compiled_golden):
+    _, compiled, report = compiled_golden
+    rows = [r for r in report.rows if r.subject == "compiled"]
+    assert [(r.output, r.step) for r in rows] == [("prefill logits", None), ("decode logits", 0), ("greedy tokens", None)]
+    assert all(r.ok for r in report.rows), report.failure()
+    assert all(r.error <= 1e-4 for r in rows[:2]) and rows[2].error == 0 and report.first_divergence is None
+    assert compiled.graphs == 2                      # the prefill and the decode step
+
+
+def test_fuse_wqa_wkv_gemms_per_layer_kind(compiled_golden):
+    model, compiled, report = compiled_golden
+    prompt = golden.load_golden(report.path).prompt_len
+    plan = model.plan
+    assert [r.kind for r in plan] == ["full", "reindex", "reuse"]
+    for graph, start in ((1, 0), (2, prompt)):
+        snaps = {s.stage: s for s in compiled.snapshots if s.graph == graph}
+        before, after = per_attention_layer(snaps["input"].gemms), per_attention_layer(snaps["fuse_wqa_wkv"].gemms)
+        # a prefill completes groups of every ratio; the decode step at `start` those with (start+1) % ratio == 0
+        expected = {r.layer_id: attention_gemms(r, start == 0 or (start + 1) % r.ratio == 0) for r in plan}
+        assert before == {i: e[0] for i, e in expected.items()}, (graph, before)
+        assert after == {i: e[1] for i, e in expected.items()}, (graph, after)
+    # a group of n GEMMs becomes one: the graph loses (removed - matches) GEMMs in all
+    stats = compiled.pipeline.stats["fuse_wqa_wkv"]
+    lost = sum(s.counts.gemms * (1 if s.stage == "input" else -1) for s in compiled.snapshots)
+    assert lost == stats.nodes_removed - stats.matches > 0
