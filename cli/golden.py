@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
+from contextlib import nullcontext
 from typing import List, Optional
 
 import torch
@@ -14,6 +15,7 @@ from rich.table import Table
 
 import dsv41c
 from dsv41c import golden
+from dsv41c.cli.compile import Backend
 from dsv41c.errors import GoldenMismatch, InputError
 
 DEFAULT_CONFIGS = (Path("configs/tiny.json"), Path("configs/tiny2.json"))
@@ -75,28 +77,42 @@ def check_command(
                                    help="Directory holding the golden files and manifest.json."),
     compiled: bool = typer.Option(False, "--compiled",
                                   help="Also run dsv41c.compile(model) and hold it to the eager replay."),
+    backend: Backend = typer.Option(
+        Backend.passes_only, "--backend",
+        help="With --compiled: passes_only runs the rewritten post-grad graph without code generation "
+             "(minutes on a CPU); inductor generates code (minutes per graph)."),
     steps: bool = typer.Option(False, "--steps", help="Show every decode step instead of the worst one."),
 ) -> None:
     """Check the eager (and compiled) model against the golden files.
 
     Replays every file of the manifest, feeding the recorded tokens back, and prints the worst error
     per output against its bound: eager vs golden 1e-5, compiled vs eager 1e-4, greedy tokens
-    identical. Exits 2 on any failure, naming the first diverging token.
+    identical. Exits 2 on any failure, naming the first diverging token. --compiled compiles the
+    prefill and the decode steps (a few graphs per file, recompiled per golden file).
     """
     compile_fn = getattr(dsv41c, "compile", None) if compiled else None
     if compiled and compile_fn is None:
         raise InputError("--compiled: compiler not available (this dsv41c has no dsv41c.compile); "
                          "run without --compiled to check the eager model")
     files = golden.golden_files(directory)
-    reports = []
+    reports, notes = [], []
+    err = Console(stderr=True)
     for path in files:
         runner = model = None
         if compile_fn is not None:
             model = golden.load_golden(path).build_model()
-            runner = compile_fn(model)
-        reports.append(golden.check(path, runner=runner, model=model, runner_name="compiled"))
+            runner = compile_fn(model, backend=backend.value)
+        what = f"checking {path}" + (f", compiling with backend {backend.value}" if runner else "")
+        with err.status(what) if err.is_terminal else nullcontext():
+            reports.append(golden.check(path, runner=runner, model=model, runner_name="compiled"))
+        if runner is not None:
+            notes.append(f"compiled {path.name}: dsv41c.compile backend {backend.value}, "
+                         f"{getattr(runner, 'graphs', '?')} graphs, {getattr(runner, 'compile_seconds', 0.0):.0f} s "
+                         "compiling")
     console = Console(highlight=False)
     console.print(report_table(reports, steps))
+    for note in notes:
+        console.print(note)
     for report in reports:
         recorded = report.metadata["torch_version"]
         if recorded != torch.__version__:

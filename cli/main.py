@@ -16,6 +16,7 @@ from rich.text import Text
 from typer.core import TyperGroup
 
 from dsv41c import __version__
+from dsv41c.cli import compile as compile_commands
 from dsv41c.cli import golden as golden_commands
 from dsv41c.cli import kv_budget as kv_budget_commands
 from dsv41c.cli import run as run_commands
@@ -74,6 +75,7 @@ def root(version: Optional[bool] = typer.Option(None, "--version", callback=_pri
 run_commands.register(app)
 kv_budget_commands.register(app)
 golden_commands.register(app)
+compile_commands.register(app)
 
 
 def main() -> None:

@@ -191,6 +191,7 @@ class CompiledModel:
             raise InputError(f"backend: expected one of {BACKENDS}, found {backend!r}")
         self.model, self.backend = model, backend
         self.pipeline = build_pipeline(passes, strict) if passes else PassPipeline([], strict)
+        self.pipeline.bind(model)
         self.observe = observe or keep_code
         self.snapshots: list[GraphSnapshot] = []
         if self.observe:
@@ -218,6 +219,7 @@ class CompiledModel:
         t0, graphs = time.perf_counter(), self.graphs
         with torch.no_grad(), \
                 torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, specialize_float=True), \
+                torch._functorch.config.patch(enable_autograd_cache=not self.observe), \
                 torch._inductor.config.patch(self._options()):
             out = self._fn(input_ids, start_pos, full_logits, return_hidden)
         if self.graphs != graphs:

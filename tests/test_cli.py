@@ -169,3 +169,70 @@ def test_console_script_exit_code_and_stderr(tmp_path):
     assert proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: --config") and "missing.json" in lines[0], proc.stderr
+
+
+# ---------------------------------------------------------------------------- dsv41c compile
+@pytest.fixture
+def one_layer(tmp_path):
+    """tiny's dimensions, one ratio-0 layer with 2 experts: the smallest whole model to compile."""
+    raw = json.loads(TINY.read_text())
+    raw.update(n_layers=1, n_mtp_layers=0, compress_ratios=[0], kv_source_layers=[], index_source_layers=[],
+               candidate_source_layer=-1, candidate_topk_blocks=0, candidate_block_size=0, n_routed_experts=2,
+               n_activated_experts=1, hc_sinkhorn_iters=1, engram_layer_ids=[], engram_num_embeddings=[],
+               dspark_block_size=0, dspark_target_layer_ids=[])
+    path = tmp_path / "one.json"
+    path.write_text(json.dumps(raw))
+    return path
+
+
+def compile_cli(*args: str):
+    return CliRunner().invoke(app, ["compile", *args], env={"COLUMNS": "200"})
+
+
+def test_compile_report_and_graph_dumps(one_layer, tmp_path):
+    dump = tmp_path / "graphs"
+    result = compile_cli("--config", str(one_layer), "--report", "--backend", "passes_only", "--prompt-len", "5",
+                         "--decode-steps", "2", "--dump-graphs", str(dump))
+    assert result.exit_code == 0, (result.output, result.exception)
+    # prefill: {wq_a, wkv} on x, {gate, shared w1, w3}, and {w1, w3} of each routed expert on its tokens;
+    # decode: the first two (the routed experts run as one gathered bmm)
+    assert re.search(r"2 graphs compiled in [\d.]+ s \(backend passes_only\); passes: fuse_wqa_wkv 6 matches",
+                     result.stdout)
+    rows = re.findall(r"^\s*(\d)\s+(prefill of 5|decode at position 5)\s+(as traced|after fuse_wqa_wkv)\s+(\d+)\s+"
+                      r"(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s*$", result.stdout, re.M)
+    counts = {(g, stage): tuple(map(int, rest)) for g, _, stage, *rest in rows}
+    assert len(counts) == 4
+    for g, fused_away in (("1", 1 + 2 + 2 * 1), ("2", 1 + 2)):       # each group of n loses n - 1 GEMMs
+        before, after = counts[(g, "as traced")], counts[(g, "after fuse_wqa_wkv")]
+        assert before[0] - after[0] == fused_away
+        assert before[1:4] == after[1:4] and before[2] > 0 and before[3] == 1     # the window ring
+    assert re.search(r"prefill\s+[\d.]+\s+[\d.]+\s+[\d.]+", result.stdout)
+    error = float(re.search(r"against eager: (\S+)", result.stdout).group(1))
+    assert error <= 1e-4
+    names = sorted(p.name for p in dump.iterdir())
+    assert names == ["graph1_0_as_traced.py", "graph1_1_after_fuse_wqa_wkv.py", "graph2_0_as_traced.py",
+                     "graph2_1_after_fuse_wqa_wkv.py"]
+    for g in ("1", "2"):
+        before = (dump / f"graph{g}_0_as_traced.py").read_text()
+        after = (dump / f"graph{g}_1_after_fuse_wqa_wkv.py").read_text()
+        assert "_dsv41c_fused_weight" in after and "_dsv41c_fused_weight" not in before
+        assert after.count("torch.ops.aten.mm.default(") < before.count("torch.ops.aten.mm.default(")
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+@pytest.mark.parametrize("make, fragment", [
+    (lambda tmp: tmp / "missing" / "graphs", "does not exist"),
+    (lambda tmp: (tmp / "full").mkdir() or (tmp / "full" / "x").write_text("x") and tmp / "full", "non-empty"),
+    (lambda tmp: (tmp / "file").write_text("x") and tmp / "file", "found a file"),
+])
+def test_compile_bad_dump_dir_fails_before_compiling(tmp_path, make, fragment):
+    dump = make(tmp_path)
+    listing = sorted(p.name for p in tmp_path.rglob("*"))
+    result = compile_cli("--config", str(TINY), "--dump-graphs", str(dump))
+    line = assert_error(result, "--dump-graphs", fragment)
+    assert str(dump) in line
+    assert sorted(p.name for p in tmp_path.rglob("*")) == listing
+
+
+def test_compile_unknown_pass_is_one_red_line():
+    assert_error(compile_cli("--config", str(TINY), "--pass", "nope"), "unknown pass 'nope'")

@@ -125,7 +125,11 @@ def test_cli_compiled_without_compiler_exits_2(monkeypatch):
 def test_cli_compiled_divergence_is_one_red_line(monkeypatch, tiny_only):
     prompt_len = golden.load_golden(TINY_GOLDEN).prompt_len
 
-    def fake_compile(model):
+    backends = []
+
+    def fake_compile(model, backend):
+        backends.append(backend)
+
         def compiled(ids, start_pos=0, full_logits=False):
             out = model(ids, start_pos=start_pos, full_logits=full_logits)
             if start_pos == prompt_len + 3:
@@ -142,6 +146,9 @@ def test_cli_compiled_divergence_is_one_red_line(monkeypatch, tiny_only):
     assert len(errors) == 1
     assert "compiled vs eager: greedy tokens" in errors[0]
     assert f"greedy token 4 (sequence position {prompt_len + 4}, batch row 0)" in errors[0]
+    assert backends == ["passes_only"]
+    result = CliRunner().invoke(app, ["golden", "check", "--dir", str(tiny_only), "--compiled", "--backend", "inductor"])
+    assert result.exit_code == 2 and backends == ["passes_only", "inductor"]
 
 
 def test_tampered_config_hash_is_an_error_naming_both(tmp_path):
