@@ -24,21 +24,25 @@ agree to fp32 rounding, not bitwise (the tests bound the difference).
 
 CPU (C target): one program per token, scalar loops; bf16 travels as its uint16 bits.
 
-CUDA (sm_90), two launches:
-  1. `main`: grid (token tiles of TB=64, KS splits of D), 128 threads (one warpgroup).  A CTA walks
+CUDA (sm_90a: wgmma needs the arch-specific target), two launches for the mixing ops:
+  1. `main`: grid (token tiles of TB=64, K splits of D), 128 threads (one warpgroup).  A CTA walks
      its D range in chunks of DC=32 columns of all m streams.  Per chunk each thread owns 8
      consecutive columns (a 16-byte bf16 vector) of two tokens: it loads res and y, forms h_new,
      stores h_new and x (each the only time those bytes move), adds h_new^2 to a per-token
      register sum, and stages h_new as bf16 into shared memory (fp32 streams: three bf16 pieces,
-     hi + mid + lo, which represent the fp32 value exactly).  fn's chunk is read once per CTA
+     hi + mid + lo, which represent the fp32 value to 2^-24).  fn's chunk is read once per CTA
      (so each fn element serves 64 tokens from L2) and split the same way into three bf16 pieces.
-     The mixes GEMM [64 tok x 4*DC] x [4*DC x 32] then runs on the tensor cores as bf16 x bf16
-     with fp32 accumulation: the products of bf16 pieces are exact in fp32, and the pieces'
-     cross terms sum to the fp32 product to ~2^-24 relative, so the result is fp32-accurate
-     without TF32 (bf16 streams: 3 GEMMs per chunk, fp32 streams: the 6 cross terms above 2^-24).
-     Partial dot products and sums of squares go to a workspace [KS, T, 32].
-  2. `finalize`: one thread per token sums the KS partials in fixed order, then rsqrt, sigmoids
+     The mixes GEMM [64 tok x 4*DC] x [4*DC x 32] then runs on the tensor cores as bf16 x bf16:
+     the products of bf16 pieces are exact, and the pieces' cross terms sum to the fp32 product
+     to ~2^-24 relative, so no TF32 is involved (bf16 streams: 3 GEMMs per chunk, fp32 streams:
+     the 6 cross terms above 2^-24).  Each chunk's GEMM accumulates from zero and is added to the
+     CTA's total with IEEE fp32 adds: the tensor cores' own accumulation drifts (about 3e-5
+     relative over D = 5120 when one accumulator spans all chunks).  Partial dot products and
+     sums of squares go to a workspace [K, T, 32]; K is picked per call (`cuda_splits`): up to
+     20 CTAs along D for few tokens, fewer when the token tiles already fill the machine.
+  2. `finalize`: one thread per token sums the K partials in fixed order, then rsqrt, sigmoids
      and the Sinkhorn of §5.2 in registers.  Deterministic: no atomics.
+`post_collapse` is the `main` kernel alone, without the GEMM, 4 chunks per CTA.
 """
 
 import functools
@@ -305,7 +309,8 @@ def build(kind: str, dtype: str, m: int, D: int, norm_eps: float, hc_eps: float,
 
 def cuda_splits(D: int, n: int, slots: int = 3 * 132) -> int:
     """CTAs along D per token tile for T = n tokens: the divisor K of D/DC that minimises
-    waves x chunks per CTA over `slots` resident CTAs (3 per SM on an H200), with the workspace
+    waves x chunks per CTA over `slots` resident CTAs (3 per SM on an H200: 159 registers per
+    thread, 47 KB of shared memory per CTA), with the workspace
     (K x 128 B per token) kept under ~3% of the stream traffic; at T = 1 that is up to 20 CTAs
     side by side instead of one CTA walking all of D."""
     chunks, tiles = D // DC, -(-n // TB)
@@ -476,9 +481,9 @@ def _cuda_main_prim_func(kind, dtype, m, D):
     """The streaming kernel (module docstring, CUDA step 1)."""
     mixes, expand = kind != "post_collapse", kind != "pre"
     names = _PARAMS[kind, "main"]
-    # splits of D: the workspace's leading dim, chosen per call (`cuda_splits`); one chunk per CTA
-    # without mixes
-    splits = T.dynamic("K") if mixes else D // DC
+    # splits of D: the workspace's leading dim, chosen per call (`cuda_splits`); without mixes, up
+    # to 4 chunks per CTA
+    splits = T.dynamic("K") if mixes else D // DC // max(g for g in (1, 2, 4) if D // DC % g == 0)
     S, N = _buffers(names, dtype, m, D, splits)
     mix = 2 * m + m * m
     nch = D // DC // splits  # chunks per CTA
@@ -558,11 +563,11 @@ def _cuda_main_prim_func(kind, dtype, m, D):
                         if i % ncf < m:
                             Co[i // ncf, i % ncf] = B["PIN"][t, i % ncf]
             T.sync_threads()
-            load(B, xl, fl, bx, tx, by * nch * DC)
             for ch in T.serial(nch):
                 d0 = (by * nch + ch) * DC
                 if mixes:
                     T.sync_threads()  # the previous chunk's GEMM has read As/Bs
+                load(B, xl, fl, bx, tx, d0)
                 if mixes:
                     for u in T.unroll(FU):
                         q = u * _THREADS + tx
@@ -614,8 +619,6 @@ def _cuda_main_prim_func(kind, dtype, m, D):
                                         As[p][it // ipr, j * DC + it % ipr * vec + e] = ol[j, e]
                                     else:
                                         As[p][it // ipr, j * DC + it % ipr * vec + e] = xl[u, j, e]
-                if ch + 1 < nch:  # the next chunk's loads fly while this chunk's GEMM runs
-                    load(B, xl, fl, bx, tx, d0 + DC)
                 if mixes:
                     T.sync_threads()
                     # Each chunk accumulates on its own and is added to the total in IEEE fp32: the
