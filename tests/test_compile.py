@@ -1,17 +1,36 @@
-"""The compiled decode step of the whole tiny model against eager (slow: several minutes of
-Inductor compile per graph on a CPU core, so it is opt-in: `pytest -m slow tests/test_compile.py`)."""
+"""The compiled whole model against eager, and the benchmark config.
+
+The whole-model compiles are slow (minutes of Inductor code generation per graph on a CPU core; the
+golden replay through passes_only compiles a few graphs per file), so they are opt-in:
+`pytest -m slow tests/test_compile.py`. The fast CI proof of the passes is in test_passes.py.
+"""
 from pathlib import Path
 
 import pytest
 import torch
 
 import dsv41c
+from dsv41c import golden
 from dsv41c.compiler import compile as dsv41c_compile
+from dsv41c.config import build_layer_plan
 
-pytestmark = pytest.mark.slow
-TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.json"
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+TINY = CONFIGS / "tiny.json"
+GOLDEN_DIR = CONFIGS.parent / "golden"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tiny", "tiny2"])
+def test_golden_files_pass_compiled_with_passes_only(name):
+    torch._dynamo.reset()
+    model = golden.load_golden(GOLDEN_DIR / f"{name}.safetensors").build_model()
+    compiled = dsv41c.compile(model, strict=True, backend="passes_only")
+    report = golden.check(GOLDEN_DIR / f"{name}.safetensors", runner=compiled, model=model, runner_name="compiled")
+    assert report.ok, report.failure()
+    assert compiled.pipeline.stats["fuse_wqa_wkv"].matches >= model.args.n_layers * compiled.graphs
+
+
+@pytest.mark.slow
 def test_compiled_decode_matches_eager_with_fused_projections():
     torch._dynamo.reset()
     args = dsv41c.ModelArgs.from_json(TINY)
@@ -28,3 +47,25 @@ def test_compiled_decode_matches_eager_with_fused_projections():
             token = b.argmax(-1, keepdim=True)
     # every backbone attention's input feeds one fused GEMM in each compiled graph
     assert compiled.pipeline.stats["fuse_wqa_wkv"].matches >= args.n_layers * compiled.pipeline.graphs
+
+
+def test_bench_config_keeps_the_released_layer_shapes_and_fits_one_h200():
+    bench, flash = dsv41c.ModelArgs.from_json(CONFIGS / "bench.json"), dsv41c.ModelArgs.from_json(CONFIGS / "flash.json")
+    for key in ("dim", "n_heads", "head_dim", "rope_head_dim", "q_lora_rank", "o_groups", "o_lora_rank",
+                "window_size", "index_n_heads", "index_head_dim", "index_topk", "candidate_topk_blocks",
+                "candidate_block_size", "hc_mult", "hc_sinkhorn_iters", "moe_inter_dim", "n_activated_experts",
+                "score_func", "route_scale", "swiglu_limit", "vocab_size", "engram_n_heads", "engram_head_dim",
+                "engram_max_ngram_size", "dspark_block_size", "dspark_markov_rank", "dspark_n_activated_experts"):
+        assert getattr(bench, key) == getattr(flash, key), key
+    kinds = {(r.kind, r.ratio) for r in build_layer_plan(bench)}
+    assert kinds == {(r.kind, r.ratio) for r in build_layer_plan(flash)}
+    assert {("full", 2), ("reuse", 2), ("full", 1), ("reindex", 1), ("reuse", 1), ("swa", 0), ("dspark", 0)} <= kinds
+    assert any(r.uses_candidates for r in build_layer_plan(bench)) and len(bench.engram_layer_ids) == 2
+    assert bench.n_layers < flash.n_layers and bench.n_routed_experts < flash.n_routed_experts
+
+    model = dsv41c.build_model(bench, seed=None, dtype=torch.bfloat16, device="meta")
+    routed = (bench.n_layers * bench.n_routed_experts + bench.n_mtp_layers * bench.dspark_n_routed_experts) \
+        * 3 * bench.dim * bench.moe_inter_dim
+    assert routed < model.num_parameters() < 2 * routed          # the experts are most of the weights
+    gib = sum(t.numel() * t.element_size() for t in model.state_dict().values()) / 2 ** 30
+    assert 20 < gib < 40, gib        # well inside 141 GB: caches, frozen copies and two compiles fit beside it

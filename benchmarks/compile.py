@@ -1,0 +1,236 @@
+"""The whole model three ways, side by side in one run: eager, plain `torch.compile` (Inductor, no
+freezing, no passes) and `dsv41c.compile` (Inductor with frozen weights and the pass pipeline).
+
+Measures prefill tokens/s at one length (batch 1) and decode tokens/s at each batch size, after a
+warm-up that compiles every graph the timed calls use (compile time is reported separately). The
+ceilings come from the same run: the device copy bandwidth against the weight bytes a decode step
+reads, and the matmul rate against the prefill's projection FLOPs (2 x active parameters x tokens;
+attention excluded, so it is a lower bound on the work).
+
+    python benchmarks/compile.py --config configs/bench.json --device cuda --dtype bfloat16
+    python benchmarks/compile.py --config configs/tiny.json --device cpu     # minutes: CPU compiles
+
+On CPU, whole-model Inductor compiles take minutes per graph, and decode compiles a few graphs
+(the ratio-2 group parity, batch 1 against batch > 1).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+import dsv41c
+from dsv41c.model import Transformer
+
+VARIANTS = ("eager", "torch.compile", "dsv41c.compile")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device: str, repeats: int) -> float:
+    """Median seconds of `fn()` over `repeats` calls."""
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes/s of a device-to-device copy (read + write)."""
+    n = (1 << 30 if device == "cuda" else 1 << 26) // 4
+    src = torch.rand(n, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    return 2 * src.numel() * 4 / timed(lambda: dst.copy_(src), device, 5)
+
+
+def matmul_rate(device: str, dtype: torch.dtype) -> float:
+    """FLOP/s of one square matmul in the model dtype (TF32 stays off, as in the model's fp32 runs)."""
+    n = 8192 if device == "cuda" else 1024
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    a @ b
+    return 2 * n ** 3 / timed(lambda: a @ b, device, 5)
+
+
+def weight_bytes(model: Transformer, batch: int) -> tuple[int, int]:
+    """(bytes a decode step of `batch` rows reads from weights, parameters active per token).
+
+    Routed experts count min(E, batch x k) experts per MoE (the distinct experts touched at most);
+    the DSpark stages do not run in these steps and are left out.
+    """
+    read = active = 0
+    for name, t in model.named_parameters():
+        if name.startswith("mtp.") or name.startswith("embed."):
+            continue
+        nbytes, numel = t.numel() * t.element_size(), t.numel()
+        if ".ffn.experts." in name:
+            moe = model.layers[int(name.split(".")[1])].ffn
+            k, e = moe.gate.topk, moe.n_experts
+            read += nbytes * min(e, batch * k) // e
+            active += numel * k // e
+        else:
+            read += nbytes
+            active += numel
+    return read, active
+
+
+def make_variant(name: str, model: Transformer):
+    if name == "eager":
+        return model
+    if name == "dsv41c.compile":
+        return dsv41c.compile(model)
+    fn = torch.compile(model.forward, fullgraph=True, dynamic=True)
+
+    def plain(ids, start_pos=0, full_logits=False):
+        with torch.no_grad(), torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True,
+                                                          specialize_float=True):
+            return fn(ids, start_pos, full_logits)
+    return plain
+
+
+def measure(name: str, model: Transformer, a: argparse.Namespace, gen: torch.Generator) -> dict:
+    """Prefill and decode rates of one variant; the first pass over each workload compiles."""
+    torch._dynamo.reset()
+    run = make_variant(name, model)
+    vocab, out = model.args.vocab_size, {"variant": name}
+    compile_s = 0.0
+    if a.prefill_len:
+        ids = torch.randint(0, vocab, (1, a.prefill_len), generator=gen).to(a.device)
+
+        def prefill():
+            model.reset_cache()
+            run(ids, 0)
+
+        t0 = time.perf_counter()
+        prefill()
+        compile_s += time.perf_counter() - t0
+        out["prefill_tok_s"] = a.prefill_len / timed(prefill, a.device, a.repeats)
+    for batch in a.batches:
+        prompt = torch.randint(0, vocab, (batch, a.decode_prompt), generator=gen).to(a.device)
+        steps = torch.randint(0, vocab, (batch, a.decode_steps, 1), generator=gen).to(a.device)
+
+        def decode():
+            for i in range(a.decode_steps):
+                run(steps[:, i], a.decode_prompt + i)
+
+        def seed():                            # eager prefill: only the decode steps are timed
+            model.reset_cache()
+            model(prompt, 0)
+
+        seed()
+        t0 = time.perf_counter()
+        decode()
+        compile_s += time.perf_counter() - t0
+        times = []
+        for _ in range(a.repeats):
+            seed()
+            times.append(timed(decode, a.device, 1))
+        out[f"decode_b{batch}_tok_s"] = batch * a.decode_steps / sorted(times)[len(times) // 2]
+    out["first_pass_s"] = compile_s
+    del run
+    torch._dynamo.reset()
+    return out
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", type=Path, default=Path("configs/tiny.json"))
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default=None,
+                   help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--kv-quant", action=argparse.BooleanOptionalAction, default=True,
+                   help="the official KV fake-quantisation numerics (default on, as `dsv41c run`)")
+    p.add_argument("--prefill-len", type=int, default=None, help="default: 4096 on cuda, 32 on cpu; 0 skips")
+    p.add_argument("--batches", default="1,32", help="decode batch sizes, comma-separated")
+    p.add_argument("--decode-prompt", type=int, default=None,
+                   help="tokens in the cache before the timed decode steps; default: 3 x window + 1")
+    p.add_argument("--decode-steps", type=int, default=None, help="default: 32 on cuda, 4 on cpu")
+    p.add_argument("--repeats", type=int, default=None, help="timed repeats (median); default 5 cuda, 2 cpu")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None, metavar="OUT", help="also write the results as JSON")
+    a = p.parse_args()
+    gpu = a.device == "cuda"
+    a.dtype = a.dtype or ("bfloat16" if gpu else "float32")
+    a.prefill_len = (4096 if gpu else 32) if a.prefill_len is None else a.prefill_len
+    a.decode_steps = a.decode_steps or (32 if gpu else 4)
+    a.repeats = a.repeats or (5 if gpu else 2)
+    a.batches = [int(b) for b in a.batches.split(",") if b]
+    a.variants = [v for v in a.variants.split(",") if v]
+    unknown = sorted(set(a.variants) - set(VARIANTS))
+    if unknown:
+        p.error(f"--variants: unknown {unknown}; choose from {VARIANTS}")
+    return a
+
+
+def main() -> None:
+    a = parse()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    args = dsv41c.ModelArgs.from_json(a.config)
+    a.decode_prompt = a.decode_prompt or 3 * args.window_size + 1
+    need = max(a.prefill_len, a.decode_prompt + a.decode_steps)
+    args = args.replace(max_batch_size=max([args.max_batch_size, *a.batches]),
+                        max_seq_len=max(args.max_seq_len, need))
+    model = dsv41c.build_model(args, seed=a.seed, dtype=DTYPES[a.dtype], kv_quant=a.kv_quant, device=a.device)
+    gen = torch.Generator().manual_seed(a.seed)
+    copy_bps, flops = copy_bandwidth(a.device), matmul_rate(a.device, DTYPES[a.dtype])
+    device_name = torch.cuda.get_device_name() if a.device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    print(f"{a.config} on {device_name}, {a.dtype}, kv_quant={a.kv_quant}, torch {torch.__version__}; "
+          f"copy {copy_bps / 1e9:.1f} GB/s, matmul {flops / 1e12:.2f} TFLOP/s", flush=True)
+    rows = []
+    for name in a.variants:
+        rows.append(measure(name, model, a, gen))
+        print(f"  {name}: done ({rows[-1]['first_pass_s']:.0f} s first pass, compiles included)", flush=True)
+
+    base = {r["variant"]: r for r in rows}
+    keys = (["prefill_tok_s"] if a.prefill_len else []) + [f"decode_b{b}_tok_s" for b in a.batches]
+    ceilings = {}
+    _, active = weight_bytes(model, 1)
+    if a.prefill_len:
+        ceilings["prefill_tok_s"] = flops / (2 * active)
+    for b in a.batches:
+        ceilings[f"decode_b{b}_tok_s"] = b * copy_bps / weight_bytes(model, b)[0]
+    header = ["workload", *(f"{v} tok/s" for v in a.variants)]
+    header += [f"{v} x eager" for v in a.variants if v != "eager" and "eager" in base]
+    if {"torch.compile", "dsv41c.compile"} <= set(base):
+        header.append("dsv41c x torch.compile")
+    header.append("ceiling tok/s")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for key in keys:
+        label = f"prefill {a.prefill_len}" if key == "prefill_tok_s" else f"decode batch {key[8:-6]}"
+        cells = [label, *(f"{base[v][key]:.1f}" for v in a.variants)]
+        cells += [f"{base[v][key] / base['eager'][key]:.2f}" for v in a.variants if v != "eager" and "eager" in base]
+        if {"torch.compile", "dsv41c.compile"} <= set(base):
+            cells.append(f"{base['dsv41c.compile'][key] / base['torch.compile'][key]:.2f}")
+        cells.append(f"{ceilings[key]:.3g}")
+        print("| " + " | ".join(cells) + " |")
+    print("first pass (compiles, s): " + ", ".join(f"{r['variant']} {r['first_pass_s']:.0f}" for r in rows))
+    print("ceilings: prefill = matmul rate / (2 x active parameters); decode = copy bandwidth x batch / "
+          "weight bytes a step reads (dense weights + min(E, batch x k) experts per MoE)")
+    if a.json:
+        record = {"config": str(a.config), "device": device_name, "dtype": a.dtype, "kv_quant": a.kv_quant,
+                  "torch": torch.__version__, "date": datetime.date.today().isoformat(),
+                  "copy_bytes_per_s": copy_bps, "matmul_flop_per_s": flops, "ceilings_tok_s": ceilings,
+                  "prefill_len": a.prefill_len, "decode_prompt": a.decode_prompt, "decode_steps": a.decode_steps,
+                  "rows": rows}
+        tmp = a.json.with_name(f".{a.json.name}.tmp")
+        tmp.write_text(json.dumps(record, indent=2, default=lambda x: None if math.isnan(x) else x) + "\n")
+        tmp.replace(a.json)
+
+
+if __name__ == "__main__":
+    main()
