@@ -73,7 +73,7 @@ def weight_bytes(model: Transformer, batch: int) -> tuple[int, int]:
     """
     read = active = 0
     for name, t in model.named_parameters():
-        if name.startswith("mtp.") or name.startswith("embed."):
+        if name.startswith(("mtp.", "embed.")):
             continue
         nbytes, numel = t.numel() * t.element_size(), t.numel()
         if ".ffn.experts." in name:
@@ -122,11 +122,11 @@ def measure(name: str, model: Transformer, a: argparse.Namespace, gen: torch.Gen
         prompt = torch.randint(0, vocab, (batch, a.decode_prompt), generator=gen).to(a.device)
         steps = torch.randint(0, vocab, (batch, a.decode_steps, 1), generator=gen).to(a.device)
 
-        def decode():
+        def decode(steps=steps):
             for i in range(a.decode_steps):
                 run(steps[:, i], a.decode_prompt + i)
 
-        def seed():                            # eager prefill: only the decode steps are timed
+        def seed(prompt=prompt):               # eager prefill: only the decode steps are timed
             model.reset_cache()
             model(prompt, 0)
 
@@ -140,7 +140,6 @@ def measure(name: str, model: Transformer, a: argparse.Namespace, gen: torch.Gen
             times.append(timed(decode, a.device, 1))
         out[f"decode_b{batch}_tok_s"] = batch * a.decode_steps / sorted(times)[len(times) // 2]
     out["first_pass_s"] = compile_s
-    del run
     torch._dynamo.reset()
     return out
 
