@@ -67,6 +67,12 @@ class PassPipeline(CustomGraphPass):
         graph.eliminate_dead_code()
         graph.lint()
 
+    def bind(self, model: torch.nn.Module) -> None:
+        """Give passes that read model parameters (`bind(model)`) the model being compiled."""
+        for p in self.passes:
+            if hasattr(p, "bind"):
+                p.bind(model)
+
     def uuid(self) -> str:
         """Changes when the pass list, any pass option, or any pass's source changes."""
         h = hashlib.sha256(inspect.getsource(inspect.getmodule(PassPipeline)).encode())
@@ -77,8 +83,11 @@ class PassPipeline(CustomGraphPass):
 
 
 def registry() -> dict[str, type[GraphPass]]:
+    """Known passes by name, in the order a pipeline runs them (mHC lowering first: it takes the
+    mixes GEMMs into its kernels before projections are fused)."""
     from dsv41c.passes.fuse_wqa_wkv import FuseSiblingLinears
-    return {FuseSiblingLinears.name: FuseSiblingLinears}
+    from dsv41c.passes.lower_mhc import LowerMHC
+    return {LowerMHC.name: LowerMHC, FuseSiblingLinears.name: FuseSiblingLinears}
 
 
 def build_pipeline(names: Sequence[str], strict: bool = False, options: dict[str, dict] | None = None) -> PassPipeline:

@@ -424,6 +424,7 @@ def _cuda_fp4_quant_bf16(fmt, n, N, at, rpc, gy, G):
             rc = T.alloc_local((_UNROLL,), "float32")
             keep = T.alloc_local((_UNROLL,), "uint32")
             wa = T.alloc_local((_UNROLL, nw), "uint32")
+            sc8 = T.alloc_local((_UNROLL,), "float8_e4m3fn")
             for u in T.unroll(_UNROLL):
                 r, c, ok = at(u, tx, bx, by)
                 if ok:
@@ -440,9 +441,11 @@ def _cuda_fp4_quant_bf16(fmt, n, N, at, rpc, gy, G):
                 for k in T.unroll(G.bit_length() - 1):
                     am[u] = T.max(am[u], T.shfl_xor(am[u], 1 << k))
                 if fmt == "fp4_e4m3":
-                    sb[u] = _e4m3_code(T.min(T.reinterpret(_quotient(
-                        _f(T.max(am[u], _u(_E4M3_FLOOR))), _f(_u(_SIX)), _f(_u(_R6)), fmt), "uint32"), _u(_B448)), True)
-                    sf[u] = _e4m3_value(sb[u])
+                    # E4M3(RN(amax / 6)) by the saturating RNE conversion, and back exactly
+                    sc8[u] = T.Cast("float8_e4m3fn", _quotient(
+                        _f(T.max(am[u], _u(_E4M3_FLOOR))), _f(_u(_SIX)), _f(_u(_R6)), fmt))
+                    sb[u] = T.Cast("uint32", T.reinterpret(sc8[u], "uint8"))
+                    sf[u] = T.Cast("float32", sc8[u])
                     rc[u] = T.ieee_frcp(sf[u])
                     sb[u] = T.Select(_below(am[u], _INF, True), sb[u], _u(0x7F))
                 else:

@@ -1,0 +1,343 @@
+"""lower_mhc: the eager mHC ops of every sublayer become one single-pass TileLang kernel call.
+
+The eager model writes mHC (spec §5) as dozens of small aten ops per site: the coefficient mixes
+(a GEMM, an RMS statistic, sigmoids and an unrolled 20-step Sinkhorn), the collapse of the streams
+with the delayed pre mix, and the expand (residual update). In the post-grad graph those ops are
+decomposed, constant-folded and reordered, so the pass finds them by provenance rather than by
+shape: every node keeps the stack trace of the eager line it came from, and the nodes traced from
+one call of `dsv41c.mhc.hc_mixes` / `hc_collapse` / `hc_expand` form one site. Nodes Inductor
+created without a trace (eps constants folded in) join the site all of whose users are in it.
+Each site is then checked structurally (its external inputs and outputs have the shapes the
+equations need) and lowered:
+
+    expand E(y, res, post, comb) whose output feeds mixes M and collapse C(., w)
+        -> mhc_post_pre(y, res, post, comb, w, fn, scale, base)      (the steady state)
+    E feeding only C (the head's input)          -> mhc_post_collapse(y, res, post, comb, w)
+    E feeding neither (an Engram layer follows)  -> mhc_post_collapse(y, res, post, comb, post),
+                                                    its collapse output unused
+    M and C reading the same streams h (a layer's first site, the site after an Engram layer,
+    the first layer's identity mix)              -> mhc_pre(h, fn, scale, base, w)
+
+Before (one FFN site, simplified):              After:
+    r  = float(res); t = mul(comb', r) ...          h_new, x, pre', post', comb' =
+    h_new = convert(add(mul(post', y), sum(t)))         dsv41c.mhc_post_pre(y, res, post, comb,
+    s  = float(view(h_new)); mm(s, fn^T) ...                               w, fn, scale, base)
+    ... 20 x (sum, add, div) ...  -> pre', post', comb'
+    x  = convert(sum(mul(w', float(h_new))))
+
+fn, scale and base come from the bound model (`bind`), named by the site's module path and the
+sublayer its trace names ("attn"/"ffn"); they enter the graph as compile-time constants. Strict
+mode: any mHC op left in the graph is an error naming its site.
+"""
+from __future__ import annotations
+
+import operator
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+from torch._inductor.pattern_matcher import stable_topological_sort
+
+from dsv41c.passes.manager import GraphPass, PassError, PassStats
+
+aten = torch.ops.aten
+MHC_FILE = "dsv41c/mhc.py"
+KINDS = ("hc_mixes", "hc_collapse", "hc_expand")
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\w+)\n\s*(.*)')
+_SUBLAYER = re.compile(r'mixes\("(\w+)"')
+_MODULE_PREFIX = re.compile(r"^L\['\w+'\](\.__self__)?\.?")
+
+
+def _site_key(node: fx.Node) -> tuple | None:
+    """(module path, eager frames up to the mHC function, that function) of a node traced from
+    dsv41c/mhc.py, else None."""
+    frames = _FRAME.findall(node.meta.get("stack_trace") or "")
+    for i, (path, _, func, _) in enumerate(frames):
+        if path.replace("\\", "/").endswith(MHC_FILE) and func in KINDS:
+            stack = node.meta.get("nn_module_stack") or {}
+            module = _MODULE_PREFIX.sub("", list(stack.values())[-1][0]) if stack else ""
+            return module, tuple(frames[:i]), func
+    return None
+
+
+@dataclass(eq=False)
+class Site:
+    key: tuple
+    nodes: set = field(default_factory=set)
+    inputs: list = field(default_factory=list)     # external input nodes, in graph order
+    outputs: list = field(default_factory=list)    # nodes used outside the site, in graph order
+
+    @property
+    def kind(self) -> str:
+        return self.key[2]
+
+    @property
+    def module(self) -> str:
+        return self.key[0]
+
+    @property
+    def sublayer(self) -> str | None:
+        for *_, code in reversed(self.key[1]):  # the caller's line: self.mixes("attn", h)
+            m = _SUBLAYER.search(code)
+            if m:
+                return m.group(1)
+        return None
+
+    def describe(self) -> str:
+        path, line, _, code = self.key[1][-1]
+        return f"{self.kind} at {self.module or 'model'} ({path.rsplit('/', 1)[-1]}:{line} {code.strip()})"
+
+
+def _shape(node: fx.Node) -> tuple:
+    val = node.meta.get("val")
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else ()
+
+
+def find_sites(graph: fx.Graph) -> list[Site]:
+    """The mHC sites of a graph with their external inputs and outputs, in graph order."""
+    sites: dict[tuple, Site] = {}
+    owner: dict[fx.Node, Site] = {}
+    for node in graph.nodes:
+        if node.op == "call_function":
+            key = _site_key(node)
+            if key is not None:
+                owner[node] = sites.setdefault(key, Site(key))
+    changed = True
+    while changed:                                # untraced nodes whose users all lie in one site
+        changed = False
+        for node in reversed(graph.nodes):
+            if node in owner or node.op != "call_function" or not node.users:
+                continue
+            homes = {owner.get(u) for u in node.users}
+            if len(homes) != 1 or None in homes or node.meta.get("stack_trace"):
+                continue
+            home = homes.pop()
+            if all(owner.get(a) is home or _is_constant(a) for a in node.all_input_nodes):
+                owner[node] = home
+                changed = True
+    for node, site in owner.items():
+        site.nodes.add(node)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for site in sites.values():
+        ins, outs = set(), set()
+        for node in site.nodes:
+            ins.update(a for a in node.all_input_nodes if a not in site.nodes)
+            if any(u not in site.nodes for u in node.users):
+                outs.add(node)
+        site.inputs = sorted(ins, key=order.__getitem__)
+        site.outputs = sorted(outs, key=order.__getitem__)
+    return sorted(sites.values(), key=lambda s: min(order[n] for n in s.nodes))
+
+
+def _is_constant(node: fx.Node) -> bool:
+    """A graph constant or a scalar input (an eps), which an untraced node may read and still
+    belong to a site."""
+    return node.op == "get_attr" or (node.op == "placeholder" and not _shape(node)) or \
+        (node.op == "call_function" and not node.all_input_nodes)
+
+
+class LowerMHC(GraphPass):
+    name = "lower_mhc"
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        self.model = None
+
+    def bind(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def apply(self, graph: fx.Graph) -> PassStats:
+        from dsv41c.tilelang_kernels import mhc as _kernels  # noqa: F401  (registers dsv41c::mhc_*)
+
+        if self.model is None:
+            raise PassError("lower_mhc: no model bound (dsv41c.compile binds it)")
+        stats = PassStats(self.name)
+        sites = find_sites(graph)
+        if not sites:
+            return stats
+        rewrite = _Rewrite(graph, self.model, sites)
+        for site in sites:
+            if site.kind == "hc_expand":
+                stats.details.append(rewrite.expand_site(site))
+        for site in sites:
+            if site.kind == "hc_mixes" and site not in rewrite.done:
+                detail = rewrite.pre_site(site)
+                if detail:
+                    stats.details.append(detail)
+        left = [s for s in sites if s not in rewrite.done]
+        if left:
+            raise PassError(f"lower_mhc: {len(left)} mHC site(s) left unmatched, first: {left[0].describe()}")
+        # a kernel call sits after its last input; Inductor's reordering may have placed a reader
+        # of an mHC output before that point, so restore a topological order (stable otherwise)
+        stable_topological_sort(graph)
+        graph.eliminate_dead_code()
+        remaining = [n for n in graph.nodes if n.op == "call_function" and _site_key(n) is not None]
+        if remaining:
+            raise PassError(f"lower_mhc: {len(remaining)} eager mHC op(s) still in the graph, first "
+                            f"{remaining[0].name}")
+        stats.matches = len(stats.details)
+        stats.nodes_removed = sum(len(s.nodes) for s in sites)
+        stats.nodes_added = rewrite.added
+        return stats
+
+
+class _Rewrite:
+    """The lowering of one graph: site structure checks, kernel calls, and the substitution of
+    replaced nodes (a later site may name a node an earlier rewrite has replaced)."""
+
+    def __init__(self, graph: fx.Graph, model, sites: list[Site]):
+        self.graph, self.model, self.sites = graph, model, sites
+        self.m, self.d = model.args.hc_mult, model.args.dim
+        self.readers: dict[fx.Node, list[Site]] = defaultdict(list)
+        for site in sites:
+            for node in site.inputs:
+                self.readers[node].append(site)
+        self.expand_inputs = {n for s in sites if s.kind == "hc_expand" for n in s.inputs}
+        self.subst: dict[fx.Node, fx.Node] = {}
+        self.done: set[Site] = set()
+        self.added = 0
+        self.fake_mode = next(n.meta["val"].fake_mode for s in sites for n in s.inputs
+                              if isinstance(n.meta.get("val"), torch.Tensor))
+
+    def expand_site(self, site: Site) -> str:
+        y, res, post, comb = self._expand_inputs(site)
+        (h_new,) = self._outputs(site, 1)
+        readers = [s for s in self.readers[h_new] if s not in self.done]
+        mixes = next((s for s in readers if s.kind == "hc_mixes"), None)
+        collapse = next((s for s in readers if s.kind == "hc_collapse"), None)
+        self.done.add(site)
+        if mixes is not None and collapse is not None:
+            w = self._collapse_weight(collapse, h_new)
+            outs = self._call("mhc_post_pre", (y, res, post, comb, w, *self._constants(mixes)), mixes)
+            self._replace(h_new, outs[0])
+            self._replace(self._outputs(collapse, 1)[0], outs[1])
+            self._replace_mixes(mixes, outs[2:])
+            self.done.update((mixes, collapse))
+            return f"post_pre at {site.module}"
+        # the head's input (collapse only), or streams an Engram layer rewrites next (neither):
+        # there the collapse weight is a stand-in and the collapse output is left unused
+        w = self._collapse_weight(collapse, h_new) if collapse is not None else post
+        outs = self._call("mhc_post_collapse", (y, res, post, comb, w), None)
+        self._replace(h_new, outs[0])
+        if collapse is not None:
+            self._replace(self._outputs(collapse, 1)[0], outs[1])
+            self.done.add(collapse)
+        return f"post_collapse at {site.module or 'model'}" + ("" if collapse is not None else " (no collapse)")
+
+    def pre_site(self, mixes: Site) -> str | None:
+        h = self._by_shape(mixes, [n for n in mixes.inputs if n.op != "get_attr"], (self.m, self.d), "streams")
+        collapse = next((s for s in self.readers[h] if s.kind == "hc_collapse" and s not in self.done), None)
+        if collapse is None:
+            return None
+        w = self._collapse_weight(collapse, h)
+        outs = self._call("mhc_pre", (h, *self._constants(mixes), w), mixes)
+        self._replace(self._outputs(collapse, 1)[0], outs[0])
+        self._replace_mixes(mixes, outs[1:])
+        self.done.update((mixes, collapse))
+        return f"pre at {mixes.module}"
+
+    # ------------------------------------------------------------------ site structure
+    @staticmethod
+    def _outputs(site: Site, count: int) -> list[fx.Node]:
+        if len(site.outputs) != count:
+            raise PassError(f"lower_mhc: {site.describe()} has {len(site.outputs)} outputs, expected {count}")
+        return site.outputs
+
+    @staticmethod
+    def _by_shape(site: Site, nodes, tail: tuple, what: str, rank: int | None = None) -> fx.Node:
+        found = [n for n in nodes if len(_shape(n)) >= len(tail) and _shape(n)[-len(tail):] == tail
+                 and (rank is None or len(_shape(n)) == rank)]
+        if len(found) != 1:
+            raise PassError(f"lower_mhc: {site.describe()}: expected one {what} input of shape [..., "
+                            f"{', '.join(map(str, tail))}], found {len(found)}")
+        return found[0]
+
+    def _expand_inputs(self, site: Site):
+        m, d = self.m, self.d
+        tensors = [n for n in site.inputs if n.op != "get_attr" and _shape(n)]
+        res = self._by_shape(site, tensors, (m, d), "streams")
+        rank = len(_shape(res))
+        comb = self._by_shape(site, tensors, (m, m), "comb", rank)
+        y = self._by_shape(site, tensors, (d,), "sublayer output", rank - 1)
+        post = self._by_shape(site, tensors, (m,), "post", rank - 1)
+        return y, res, post, comb
+
+    def _collapse_weight(self, collapse: Site, h: fx.Node) -> fx.Node:
+        others = [n for n in collapse.inputs if n is not h and n.op != "get_attr" and _shape(n)]
+        return self._by_shape(collapse, others, (self.m,), "pre mix")
+
+    def _constants(self, mixes: Site) -> list[fx.Node]:
+        """fn, scale, base of the mixes site, as compile-time constants of the graph module."""
+        block = self.model.get_submodule(mixes.module)
+        sub = mixes.sublayer
+        if block is None or sub is None or not hasattr(block, f"hc_{sub}_fn"):
+            raise PassError(f"lower_mhc: cannot tell which parameters belong to {mixes.describe()}")
+        gm, nodes = self.graph.owning_module, []
+        for part in ("fn", "scale", "base"):
+            value = getattr(block, f"hc_{sub}_{part}").detach().contiguous()
+            name = f"_dsv41c_mhc_{mixes.module.replace('.', '_')}_{sub}_{part}"
+            if not hasattr(gm, name):
+                gm.register_buffer(name, value)
+            with self.graph.inserting_before(next(iter(self.graph.nodes))):
+                node = self.graph.get_attr(name)
+            node.meta["val"] = self.fake_mode.from_tensor(value, static_shapes=True)
+            nodes.append(node)
+        return nodes
+
+    # ------------------------------------------------------------------ rewriting
+    def _call(self, op: str, args, mixes: Site | None) -> list[fx.Node]:
+        """The kernel call after its last input, on token-flattened operands ([T, ...]: the kernels
+        take one token dim), and its outputs reshaped back to the model's leading dims."""
+        target = getattr(torch.ops.dsv41c, op).default
+        args = [self.subst.get(a, a) for a in args]
+        kwargs = dict(self.model.get_submodule(mixes.module).hc) if mixes is not None else {}
+        order = {n: i for i, n in enumerate(self.graph.nodes)}
+        ref = max((a for a in args if _shape(a)[-2:] == (self.m, self.d)), key=order.__getitem__)
+        lead = len(_shape(ref)) - 2
+        with self.graph.inserting_before(max(args, key=order.__getitem__).next):  # keeps creation order
+            flat = [a if a.op == "get_attr" else self._node(aten.reshape.default, (a, [-1, *_shape(a)[lead:]]))
+                    for a in args]
+            call = self._node(target, tuple(flat), kwargs)
+            sizes = [dim if isinstance(dim, int) else self._node(aten.sym_size.int, (ref, i))
+                     for i, dim in enumerate(_shape(ref)[:lead])]
+            outs = []
+            for i, val in enumerate(call.meta["val"]):
+                item = self._node(operator.getitem, (call, i))
+                outs.append(self._node(aten.reshape.default, (item, [*sizes, *val.shape[1:]])))
+        self.added += 1
+        return outs
+
+    def _node(self, target, args, kwargs=None) -> fx.Node:
+        """A call_function node with its fake value (inserted at the current insertion point)."""
+        node = self.graph.call_function(target, args, kwargs or {})
+        fake = [a.meta["val"] if isinstance(a, fx.Node) else
+                [x.meta["val"] if isinstance(x, fx.Node) else x for x in a] if isinstance(a, list) else a
+                for a in args]
+        with self.fake_mode:
+            node.meta["val"] = target(*fake, **(kwargs or {}))
+        return node
+
+    def _replace(self, old: fx.Node, new: fx.Node) -> None:
+        a, b = old.meta["val"], new.meta["val"]
+        if a.dim() != b.dim() or a.shape[-1] != b.shape[-1] or a.dtype != b.dtype:
+            raise PassError(f"lower_mhc: replacement of {old.name} is {tuple(b.shape)} {b.dtype}, "
+                            f"expected {tuple(a.shape)} {a.dtype}")
+        old.replace_all_uses_with(new)
+        self.subst[old] = new
+
+    def _replace_mixes(self, mixes: Site, outs) -> None:
+        """Map the mixes site's outputs onto the kernel's (pre, post, comb): comb is the [.., m, m]
+        one; of the two [.., m], post is the one an expand site reads (else the product)."""
+        m = self.m
+        comb = [n for n in mixes.outputs if _shape(n)[-2:] == (m, m)]
+        vec = [n for n in mixes.outputs if n not in comb and _shape(n)[-1:] == (m,)]
+        post = [n for n in vec if n in self.expand_inputs]
+        if len(post) != 1:  # no expand reads it here: post = 2 sigmoid(.), pre = sigmoid(.) + eps
+            post = [n for n in vec if n.target is aten.mul.Tensor]
+        if len(comb) != 1 or len(vec) != 2 or len(post) != 1:
+            raise PassError(f"lower_mhc: {mixes.describe()} does not output one pre, post and comb")
+        pre = next(n for n in vec if n is not post[0])
+        for old, new in zip((pre, post[0], comb[0]), outs, strict=True):
+            self._replace(old, new)

@@ -1,0 +1,134 @@
+"""lower_mhc on the whole model (passes_only backend: the rewritten post-grad graph runs as is, the
+mHC kernels through their TileLang C builds) and its strict-mode failures on small graphs."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import dsv41c
+from dsv41c import golden, mhc
+from dsv41c.passes.lower_mhc import LowerMHC, find_sites
+from dsv41c.passes.manager import PassError, PassPipeline
+
+TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.json"
+KERNELS = ("mhc_pre", "mhc_post_pre", "mhc_post_collapse")
+
+
+def expected_calls(n_layers: int, engram: set[int]) -> dict[str, int]:
+    """Kernel calls the model's structure implies: every attention expand feeds the FFN's mixes
+    and collapse (post_pre); an FFN expand feeds the next layer's unless an Engram layer comes
+    first or it is the last (post_collapse: the head's collapse, or none); a layer's first site
+    reads fresh streams after the embedding and after each Engram layer (pre)."""
+    ffn_into_next = sum(1 for i in range(n_layers - 1) if i + 1 not in engram)
+    return {"mhc_post_pre": n_layers + ffn_into_next,
+            "mhc_post_collapse": n_layers - ffn_into_next,
+            "mhc_pre": len(engram | {0})}
+
+
+@pytest.fixture(scope="module")
+def lowered(tmp_path_factory):
+    """tiny cut to 3 layers (Full, Reindex, Reuse), Engram before layers 0 and 2, 2 Sinkhorn
+    iterations, no DSpark; a golden recorded from eager, replayed through the compiled model."""
+    raw = json.loads(TINY.read_text())
+    raw.update(n_layers=3, n_mtp_layers=0, compress_ratios=[1, 1, 1], kv_source_layers=[0],
+               index_source_layers=[0, 1], candidate_source_layer=0, n_routed_experts=2,
+               n_activated_experts=1, hc_sinkhorn_iters=2, engram_layer_ids=[0, 2],
+               dspark_block_size=0, dspark_target_layer_ids=[])
+    root = tmp_path_factory.mktemp("mhc")
+    config = root / "mhc.json"
+    config.write_text(json.dumps(raw))
+    path = golden.record(config, root / "golden", decode_steps=2)
+    torch._dynamo.reset()
+    model = golden.load_golden(path).build_model()
+    compiled = dsv41c.compile(model, passes=("lower_mhc", "fuse_wqa_wkv"), strict=True, backend="passes_only",
+                              keep_code=True)
+    report = golden.check(path, runner=compiled, model=model, runner_name="compiled")
+    return model, compiled, report
+
+
+def test_every_mhc_site_becomes_one_kernel_call(lowered):
+    model, compiled, _ = lowered
+    want = expected_calls(model.args.n_layers, set(model.args.engram_layer_ids))
+    for graph in (1, 2):                                  # prefill, decode step
+        snaps = {s.stage: s for s in compiled.snapshots if s.graph == graph}
+        before, after = snaps["input"], snaps["lower_mhc"]
+        assert before.counts.mhc > 100 and after.counts.mhc == 0       # no eager mHC op is left
+        assert "sum.dim_IntList" in before.code and "div.Tensor" in before.code
+        calls = {k: after.code.count(f"torch.ops.dsv41c.{k}.default(") for k in KERNELS}
+        assert calls == want, (graph, calls)
+        assert after.counts.gemms == before.counts.gemms - 2 * model.args.n_layers  # the mixes GEMMs
+    stats = compiled.pipeline.stats["lower_mhc"]
+    assert stats.matches == 2 * sum(want.values())
+
+
+def test_lowered_model_matches_eager_and_golden(lowered):
+    _, _, report = lowered
+    assert all(r.ok for r in report.rows), report.failure()
+    compiled_rows = [r for r in report.rows if r.subject == "compiled"]
+    assert len(compiled_rows) == 4 and all(r.error <= 1e-4 for r in compiled_rows[:3])
+    assert report.first_divergence is None
+
+
+class Args:
+    hc_mult, dim = 4, 32
+
+
+class Streams(torch.nn.Module):
+    """One mixes site and two collapses of the same streams: the second collapse has no partner."""
+
+    def __init__(self):
+        super().__init__()
+        self.args = Args()
+        self.hc_attn_fn = torch.nn.Parameter(torch.randn(24, 128) * 0.1)
+        self.hc_attn_scale = torch.nn.Parameter(torch.rand(3))
+        self.hc_attn_base = torch.nn.Parameter(torch.randn(24))
+        self.hc = dict(norm_eps=1e-20, hc_eps=1e-6, iters=3)
+
+    def mixes(self, site, h):
+        return mhc.hc_mixes(h, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_scale"),
+                            getattr(self, f"hc_{site}_base"), **self.hc)
+
+    def forward(self, h, w):
+        pre, post, comb = self.mixes("attn", h)
+        x = mhc.hc_collapse(h, w)
+        stray = mhc.hc_collapse(h, pre)
+        return x, stray, post, comb
+
+
+def compile_streams(module, pipeline):
+    from dsv41c.compiler import dynamo_backend, inductor_options
+    torch._dynamo.reset()
+    with torch.no_grad(), torch._inductor.config.patch({**inductor_options(pipeline), "fx_graph_cache": False}):
+        fn = torch.compile(module, backend=dynamo_backend("passes_only"), fullgraph=True)
+        return fn(torch.randn(2, 4, 32), torch.rand(2, 4))
+
+
+def test_a_site_left_unmatched_is_an_error():
+    module = Streams().eval()
+    lower = LowerMHC()
+    lower.bind(module)
+    with pytest.raises(Exception, match="mHC site.* left unmatched, first: hc_collapse"):
+        compile_streams(module, PassPipeline([lower], strict=True))
+
+
+def test_unbound_pass_is_an_error():
+    with pytest.raises(Exception, match="no model bound"):
+        compile_streams(Streams().eval(), PassPipeline([LowerMHC()]))
+
+
+def test_sites_are_found_by_provenance():
+    """find_sites groups the post-grad nodes of each eager mHC call: a mixes site reads the streams
+    (and folded constants) and yields pre, post, comb; a collapse reads streams and weights."""
+    seen = {}
+
+    class Record(LowerMHC):
+        def apply(self, graph):
+            seen["sites"] = [(s.kind, sum(n.op != "get_attr" for n in s.inputs), len(s.outputs))
+                             for s in find_sites(graph)]
+            raise PassError("stop")
+
+    module = Streams().eval()
+    with pytest.raises(Exception, match="stop"):
+        compile_streams(module, PassPipeline([Record()]))
+    assert sorted(seen["sites"]) == [("hc_collapse", 2, 1), ("hc_collapse", 2, 1), ("hc_mixes", 1, 3)]
