@@ -26,6 +26,26 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+def record_tiny_cut(root: pathlib.Path, name: str, decode_steps: int, **overrides) -> pathlib.Path:
+    """A golden recorded from tiny.json with `overrides` (a smaller model that still compiles in
+    about a minute on one core): writes root/<name>.json and returns the golden file's path."""
+    import json
+
+    from dsv41c import golden
+    raw = json.loads((ROOT / "configs" / "tiny.json").read_text())
+    raw.update(overrides)
+    config = root / f"{name}.json"
+    config.write_text(json.dumps(raw))
+    return golden.record(config, root / "golden", decode_steps=decode_steps)
+
+
+# One layer of each compressed kind (Full, Reindex, Reuse at ratio 1, with the candidate funnel),
+# 2 experts, no DSpark: the compile of the prefill graph grows with every layer and expert.
+THREE_KINDS = dict(n_layers=3, n_mtp_layers=0, compress_ratios=[1, 1, 1], kv_source_layers=[0],
+                   index_source_layers=[0, 1], candidate_source_layer=0, n_routed_experts=2,
+                   n_activated_experts=1, dspark_block_size=0, dspark_target_layer_ids=[])
+
+
 @pytest.fixture(scope="session")
 def tiny_args() -> ModelArgs:
     """configs/tiny.json (dim 64, 4 heads of 64, d_r 16, W 16, 8 layers + 2 DSpark stages)."""

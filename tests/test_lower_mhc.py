@@ -1,17 +1,14 @@
 """lower_mhc on the whole model (passes_only backend: the rewritten post-grad graph runs as is, the
 mHC kernels through their TileLang C builds) and its strict-mode failures on small graphs."""
-import json
-from pathlib import Path
-
 import pytest
 import torch
+from conftest import THREE_KINDS, record_tiny_cut
 
 import dsv41c
 from dsv41c import golden, mhc
 from dsv41c.passes.lower_mhc import LowerMHC, find_sites
 from dsv41c.passes.manager import PassError, PassPipeline
 
-TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.json"
 KERNELS = ("mhc_pre", "mhc_post_pre", "mhc_post_collapse")
 
 
@@ -30,15 +27,8 @@ def expected_calls(n_layers: int, engram: set[int]) -> dict[str, int]:
 def lowered(tmp_path_factory):
     """tiny cut to 3 layers (Full, Reindex, Reuse), Engram before layers 0 and 2, 2 Sinkhorn
     iterations, no DSpark; a golden recorded from eager, replayed through the compiled model."""
-    raw = json.loads(TINY.read_text())
-    raw.update(n_layers=3, n_mtp_layers=0, compress_ratios=[1, 1, 1], kv_source_layers=[0],
-               index_source_layers=[0, 1], candidate_source_layer=0, n_routed_experts=2,
-               n_activated_experts=1, hc_sinkhorn_iters=2, engram_layer_ids=[0, 2],
-               dspark_block_size=0, dspark_target_layer_ids=[])
-    root = tmp_path_factory.mktemp("mhc")
-    config = root / "mhc.json"
-    config.write_text(json.dumps(raw))
-    path = golden.record(config, root / "golden", decode_steps=2)
+    path = record_tiny_cut(tmp_path_factory.mktemp("mhc"), "mhc", 2, **THREE_KINDS, hc_sinkhorn_iters=2,
+                           engram_layer_ids=[0, 2])
     torch._dynamo.reset()
     model = golden.load_golden(path).build_model()
     compiled = dsv41c.compile(model, passes=("lower_mhc", "fuse_wqa_wkv"), strict=True, backend="passes_only",

@@ -1,10 +1,9 @@
 """The pass framework and fuse_wqa_wkv: on small graphs (one Inductor compile each), and on the
 whole model through the passes_only backend, GEMMs per layer kind and numerics against eager."""
-import json
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import THREE_KINDS, record_tiny_cut
 from dsv41c.passes.fuse_wqa_wkv import FuseSiblingLinears
 from dsv41c.passes.manager import (
     GraphPass,
@@ -20,7 +19,6 @@ from dsv41c import golden
 from dsv41c.compiler import BACKENDS, ObservedPass, dynamo_backend, inductor_options
 
 aten = torch.ops.aten
-TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.json"
 
 
 class CountGemms(GraphPass):
@@ -174,15 +172,8 @@ def compiled_golden(tmp_path_factory):
     with the candidate funnel; 2 experts, 1 Sinkhorn iteration, no Engram or DSpark: the compile of
     the prefill graph grows with all of these), a golden file recorded from it, and the check of
     dsv41c.compile (passes_only) against eager."""
-    raw = json.loads(TINY.read_text())
-    raw.update(n_layers=3, n_mtp_layers=0, compress_ratios=[1, 1, 1], kv_source_layers=[0],
-               index_source_layers=[0, 1], candidate_source_layer=0, n_routed_experts=2,
-               n_activated_experts=1, hc_sinkhorn_iters=1, engram_layer_ids=[], engram_num_embeddings=[],
-               dspark_block_size=0, dspark_target_layer_ids=[])
-    root = tmp_path_factory.mktemp("kinds")
-    config = root / "kinds.json"
-    config.write_text(json.dumps(raw))
-    path = golden.record(config, root / "golden", decode_steps=1)
+    path = record_tiny_cut(tmp_path_factory.mktemp("kinds"), "kinds", 1, **THREE_KINDS, hc_sinkhorn_iters=1,
+                           engram_layer_ids=[], engram_num_embeddings=[])
     torch._dynamo.reset()
     model = golden.load_golden(path).build_model()
     compiled = dsv41c.compile(model, strict=True, backend="passes_only", observe=True)

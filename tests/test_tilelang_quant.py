@@ -298,19 +298,18 @@ def test_opcheck(fmt):
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (no GPU needed)")
 @pytest.mark.parametrize("fmt", FMTS)
 def test_cuda_source_is_coalesced(fmt):
-    """The sm_90 builds compile, and each thread moves 8 consecutive bf16 (one 16-byte vector: 8
-    bf16, or 4 words of two bf16 in the fp4 quantisers) and its packed bytes with one vector access,
-    at offsets threadIdx.x * 8 / * 4 (a warp is contiguous)."""
-    packed = "uint2" if fmt == "fp8" else "uint"
+    """The sm_90 builds compile, and each thread moves consecutive bf16 in 16-byte vectors (8 bf16;
+    the fp4 quantisers read 16 bf16 as 8 words of two) and its packed bytes with one vector access,
+    at offsets threadIdx.x * (values or words per thread) (a warp is contiguous)."""
     for direction in ("quant", "dequant"):
         src = K.build(fmt, direction, "bfloat16", ROW_N[fmt], "cuda:sm_90").get_kernel_source()
         x, v = ("X", "V") if direction == "quant" else ("Y", "Q")
         words = direction == "quant" and fmt != "fp8"
-        vec, step = ("int4", 4) if words else ("uint4", 8)
+        vec, packed, step = ("int4", "uint2", 8) if words else ("uint4", "uint2" if fmt == "fp8" else "uint", 8)
         assert re.search(rf"\*\({vec}\*\)\({x} \+ .*threadIdx\.x\)\) \* \(int64_t\){step}\)", src), src
-        step = 8 if fmt == "fp8" else 4
-        assert re.search(rf"\*\({packed}\*\)\({v} \+ .*threadIdx\.x\)\) \* \(int64_t\){step}\)", src), src
-        if direction == "quant":
+        pstep = 8 if fmt == "fp8" or words else 4
+        assert re.search(rf"\*\({packed}\*\)\({v} \+ .*threadIdx\.x\)\) \* \(int64_t\){pstep}\)", src), src
+        if direction == "quant" and K.FORMATS[fmt] > (16 if words else 8):  # a block spans lanes
             assert "__shfl_xor_sync" in src
 
 

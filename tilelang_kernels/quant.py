@@ -53,6 +53,7 @@ FORMATS = {"fp8": 32, "fp4_e4m3": 16, "mxfp4": 32}  # format -> scale block alon
 _CUDA_THREADS = 256  # CUDA: threads per CTA
 _UNROLL = 4  # CUDA: chunks per thread
 _VEC = 8  # CUDA: consecutive values per chunk (16 B of bf16, 8 B of fp8 codes)
+_WORD_VEC = 16  # CUDA, bf16 fp4 quantisers: values per chunk (32 B of bf16, 8 B of codes)
 
 
 def _f32_bits(v: float) -> int:
@@ -294,8 +295,12 @@ def _cuda_prim_func(fmt, direction, dtype, n):
     |x| - q0 s is exact and RN(q0 + residual r) = RN(|x| / s)).  E2M1 has no conversion
     instruction on sm_90, so its codes use the integer rounding shared with the C build."""
     block = FORMATS[fmt]
-    G, cpr, tpb = block // _VEC, n // _VEC, _CUDA_THREADS
-    tile = tpb * _UNROLL
+    words = direction == "quant" and fmt != "fp8" and dtype == "bfloat16"
+    # the bf16 fp4 quantisers take 16 values per chunk (a whole fp4_e4m3 block: no shuffles, one
+    # scale per thread) and half as many chunks per thread
+    vec, unroll = (_WORD_VEC, max(1, _UNROLL // 2)) if words else (_VEC, _UNROLL)
+    G, cpr, tpb = max(1, block // vec), n // vec, _CUDA_THREADS
+    tile = tpb * unroll
     ct = min(cpr, tile)
     rpc, gy = tile // ct, -(-cpr // ct)
     nv = _VEC if fmt == "fp8" else _VEC // 2  # value bytes per chunk
@@ -313,8 +318,8 @@ def _cuda_prim_func(fmt, direction, dtype, n):
         return r, c, ok
 
     esz = 4 if dtype == "float32" else 2
-    if direction == "quant" and fmt != "fp8" and dtype == "bfloat16":
-        return _cuda_fp4_quant_bf16(fmt, n, N, at, rpc, gy, G)
+    if words:
+        return _cuda_fp4_quant_bf16(fmt, n, N, at, rpc, gy, G, vec, unroll)
 
     if direction == "quant":
         floor, recip = (_FP8_FLOOR, _R448) if fmt == "fp8" else (_MX_FLOOR, _R6)
@@ -404,33 +409,33 @@ def _cuda_prim_func(fmt, direction, dtype, n):
     return main
 
 
-def _cuda_fp4_quant_bf16(fmt, n, N, at, rpc, gy, G):
+def _cuda_fp4_quant_bf16(fmt, n, N, at, rpc, gy, G, vec, unroll):
     """bf16 rows to E2M1 on CUDA, reading the row as 32-bit words of two bf16 (the op passes an
     int32 view): the block amax takes one `__vmaxu2` (two 16-bit maxima) per word on the
     magnitude bits, each word yields one packed byte, and its two sign bits move into the nibbles
     with two shifts.  Same layout of work as `_cuda_prim_func`."""
-    tpb, nw = _CUDA_THREADS, _VEC // 2
+    tpb, nw = _CUDA_THREADS, vec // 2
 
     @T.prim_func
     def main(X: T.Tensor((N, n // 2), "int32"), V: T.Tensor((N, n // 2), "uint8"),
              S: T.Tensor((N, n // FORMATS[fmt]), "uint8")):
         with T.Kernel(T.ceildiv(N, rpc), gy, threads=tpb) as (bx, by):
             tx = T.get_thread_binding()
-            wl = T.alloc_local((_UNROLL, nw), "int32")
-            ql = T.alloc_local((_UNROLL, nw), "uint8")
-            am = T.alloc_local((_UNROLL,), "uint32")
-            sb = T.alloc_local((_UNROLL,), "uint32")
-            sf = T.alloc_local((_UNROLL,), "float32")
-            rc = T.alloc_local((_UNROLL,), "float32")
-            keep = T.alloc_local((_UNROLL,), "uint32")
-            wa = T.alloc_local((_UNROLL, nw), "uint32")
-            sc8 = T.alloc_local((_UNROLL,), "float8_e4m3fn")
-            for u in T.unroll(_UNROLL):
+            wl = T.alloc_local((unroll, nw), "int32")
+            ql = T.alloc_local((unroll, nw), "uint8")
+            am = T.alloc_local((unroll,), "uint32")
+            sb = T.alloc_local((unroll,), "uint32")
+            sf = T.alloc_local((unroll,), "float32")
+            rc = T.alloc_local((unroll,), "float32")
+            keep = T.alloc_local((unroll,), "uint32")
+            wa = T.alloc_local((unroll, nw), "uint32")
+            sc8 = T.alloc_local((unroll,), "float8_e4m3fn")
+            for u in T.unroll(unroll):
                 r, c, ok = at(u, tx, bx, by)
                 if ok:
                     for j in T.vectorized(nw):
                         wl[u, j] = X[r, c * nw + j]
-            for u in T.unroll(_UNROLL):
+            for u in T.unroll(unroll):
                 r, c, ok = at(u, tx, bx, by)
                 am[u] = _u(0)
                 if ok:
