@@ -17,6 +17,7 @@ from typer.core import TyperGroup
 
 from dsv41c import __version__
 from dsv41c.cli import compile as compile_commands
+from dsv41c.cli import export as export_commands
 from dsv41c.cli import golden as golden_commands
 from dsv41c.cli import kv_budget as kv_budget_commands
 from dsv41c.cli import run as run_commands
@@ -76,6 +77,7 @@ run_commands.register(app)
 kv_budget_commands.register(app)
 golden_commands.register(app)
 compile_commands.register(app)
+export_commands.register(app)
 
 
 def main() -> None:

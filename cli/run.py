@@ -1,4 +1,5 @@
-"""`dsv41c run`: generate text with the eager model, from random weights or a checkpoint."""
+"""`dsv41c run`: generate text with the eager model, from random weights or a checkpoint, or with an
+exported artifact (no compile)."""
 from __future__ import annotations
 
 import unicodedata
@@ -62,6 +63,10 @@ def run(
         help="A tokenizer.json file."),
     device: Optional[Device] = typer.Option(None, "--device", show_default="cuda if available, else cpu",
                                             help="Where the model runs."),
+    artifact: Optional[Path] = typer.Option(
+        None, "--artifact", metavar="DIR",
+        help="An exported artifact (dsv41c export) to run instead of the eager model: verified against "
+             "its manifest, loaded without compiling. Carries its config, weights and tokenizer."),
 ) -> None:
     """Generate text: prefill the prompt, then decode --max-new-tokens tokens.
 
@@ -77,6 +82,13 @@ def run(
     if model_dir is not None and tokenizer is not None:
         raise InputError(f"--model {model_dir} and --tokenizer {tokenizer}: a checkpoint carries its own "
                          "tokenizer, give one of them")
+    if artifact is not None:
+        given = [name for name, value in (("--config", config), ("--model", model_dir), ("--tokenizer", tokenizer),
+                                          ("--device", device)) if value is not None]
+        if given:
+            raise InputError(f"--artifact {artifact} and {given[0]}: an artifact carries its own config, weights, "
+                             "tokenizer and target device, give one of them")
+        return run_artifact(artifact, prompt, prompt_ids, max_new_tokens, temperature, seed)
     target = resolve_device(device)
     storage = "packed" if packed_kv else "plain"
     if packed_kv and not kv_quant:
@@ -116,6 +128,24 @@ def run(
         result = generate(model, ids, max_new_tokens, temperature=temperature, seed=seed,
                           on_token=lambda _: progress.advance(task))
 
+    typer.echo(printable(result.text))
+    typer.echo(rates_line(result))
+
+
+def run_artifact(path: Path, prompt: Optional[str], prompt_ids: Optional[str], max_new_tokens: int,
+                 temperature: float, seed: int) -> None:
+    """Generate with an exported artifact; its bounds are checked before any token is computed."""
+    err = Console(stderr=True)
+    with progress_display(err) as progress:
+        task = progress.add_task(f"verifying and loading {path}", total=None)
+        model = dsv41c.load_artifact(path)
+        ids = parse_prompt_ids(prompt_ids) if prompt_ids is not None else model.tokenizer.encode(prompt)
+        check_prompt(model.args, ids, max_new_tokens)
+        model.check_generation(len(ids), max_new_tokens)
+        progress.remove_task(task)
+        task = progress.add_task("generating", total=max_new_tokens)
+        result = generate(model, ids, max_new_tokens, temperature=temperature, seed=seed,
+                          on_token=lambda _: progress.advance(task))
     typer.echo(printable(result.text))
     typer.echo(rates_line(result))
 

@@ -6,11 +6,15 @@
     logits = model(next_ids, start_pos=S)                      # [B, V]
 
     compiled = dsv41c.compile(model)                           # same call surface, fused projections
+
+    dsv41c.export(model, "artifact/")                          # AOTInductor packages + manifest
+    artifact = dsv41c.load_artifact("artifact/")               # verified, loaded, nothing compiled
 """
 from dsv41c.compiler import compile
 from dsv41c.config import ModelArgs
 from dsv41c.errors import (ArtifactError, CheckpointError, ConfigError, DSV41CError, GoldenMismatch,
                            InputError)
+from dsv41c.export import export, load_artifact
 from dsv41c.model import Transformer
 from dsv41c.tokenizer import Tokenizer, load_tokenizer
 from dsv41c.weights import build_model, init_weights, load_model, save_checkpoint
@@ -20,5 +24,5 @@ __version__ = "0.1.0"
 __all__ = [
     "ModelArgs", "Transformer", "compile", "Tokenizer", "load_tokenizer", "build_model", "init_weights", "load_model",
     "save_checkpoint", "DSV41CError", "ConfigError", "CheckpointError", "InputError", "GoldenMismatch",
-    "ArtifactError", "__version__",
+    "ArtifactError", "export", "load_artifact", "__version__",
 ]

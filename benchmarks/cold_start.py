@@ -1,0 +1,84 @@
+"""Cold start to the first token: an exported artifact (load, no compile) against dsv41c.compile
+(build, compile, run) and eager (build, run), each in a fresh Python process.
+
+The time is measured from the process's start (before `import torch`) to the first generated token
+(the prefill's argmax), so it counts imports, weights, loading or compiling, and the prefill. The
+compile is measured twice: with an empty Inductor cache (a new machine) and with the cache the first
+run left (a restart on the same machine).
+
+    python benchmarks/cold_start.py --config configs/tiny.json --artifact DIR [--prompt-len 24]
+
+Without --artifact, the config is exported first into a temp directory (minutes on a CPU core).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+CHILD = r"""
+import time, sys, json
+t0 = time.perf_counter()
+import torch
+torch.set_num_threads(1)
+import dsv41c
+mode, config, artifact, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+ids = torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(0))
+t_import = time.perf_counter()
+if mode == "artifact":
+    model = dsv41c.load_artifact(artifact)
+else:
+    model = dsv41c.build_model(dsv41c.ModelArgs.from_json(config), seed=0)
+    if mode == "compile":
+        model = dsv41c.compile(model)
+t_ready = time.perf_counter()
+token = int(model(ids, 0).argmax(-1))
+t_first = time.perf_counter()
+print(json.dumps({"import": t_import - t0, "ready": t_ready - t_import, "first": t_first - t_ready,
+                  "total": t_first - t0, "token": token}))
+"""
+
+
+def child(mode: str, config: str, artifact: str, n: int, env: dict) -> dict:
+    proc = subprocess.run([sys.executable, "-c", CHILD, mode, config, artifact, str(n)], capture_output=True,
+                          text=True, env=env)
+    if proc.returncode:
+        sys.exit(f"{mode} run failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="configs/tiny.json")
+    parser.add_argument("--artifact", default=None, help="an export of --config with seed 0 (else one is made)")
+    parser.add_argument("--prompt-len", type=int, default=24)
+    opts = parser.parse_args()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with tempfile.TemporaryDirectory() as tmp:
+        artifact = opts.artifact
+        if artifact is None:
+            artifact = str(Path(tmp) / "artifact")
+            subprocess.run([sys.executable, "-m", "dsv41c.cli.main", "export", "--config", opts.config,
+                            "--out", artifact], check=True, env=env)
+        rows = {"artifact (load)": child("artifact", opts.config, artifact, opts.prompt_len, env)}
+        cache_env = {**env, "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "inductor-cache")}
+        rows["dsv41c.compile, empty cache"] = child("compile", opts.config, artifact, opts.prompt_len, cache_env)
+        rows["dsv41c.compile, warm cache"] = child("compile", opts.config, artifact, opts.prompt_len, cache_env)
+        rows["eager"] = child("eager", opts.config, artifact, opts.prompt_len, env)
+    tokens = {r["token"] for r in rows.values()}
+    base = rows["artifact (load)"]["total"]
+    print(f"cold start to the first token, {opts.config}, prompt of {opts.prompt_len} tokens, 1 thread, "
+          f"fresh process each; first tokens {'agree' if len(tokens) == 1 else 'DIFFER: ' + str(tokens)}")
+    print(f"| {'path':<28} | import s | load/build+compile s | prefill s | total s | x artifact |")
+    print(f"|{'-' * 30}|---------:|---------------------:|----------:|--------:|-----------:|")
+    for name, r in rows.items():
+        print(f"| {name:<28} | {r['import']:8.2f} | {r['ready']:20.2f} | {r['first']:9.2f} | {r['total']:7.2f} "
+              f"| {r['total'] / base:10.2f} |")
+
+
+if __name__ == "__main__":
+    main()

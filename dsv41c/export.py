@@ -1,0 +1,481 @@
+"""`dsv41c.export`: the model as AOTInductor packages plus a manifest; `load_artifact` runs them
+without recompiling.
+
+An artifact directory holds:
+
+    prefill.pt2, decode.pt2   AOTInductor packages (one per program, see "Programs" below)
+    tokenizer.json            the model's tokenizer
+    manifest.json             config, passes and their matches, versions, bounds, sha256 of every file
+
+Caches are inputs. `Transformer.forward` mutates the caches it owns as buffers; exported as they
+are, each package would hold a private copy, and the decode package would never see what the
+prefill wrote. So each program is a small wrapper whose forward takes the cache tensors as explicit
+inputs (bound into the model with `torch.func.functional_call`) and writes them in place; the
+loader owns one set of caches and passes it to every program. The export runs with grad disabled:
+the model's own `@torch.no_grad()` would otherwise wrap the graph in a higher-order op that hides
+the cache writes from the exported signature.
+
+Weights are embedded. As in `dsv41c.compile`, Inductor freezes the parameters, and our passes build
+new constants from them (fuse_wqa_wkv concatenates sibling weights, lower_mhc takes the mHC
+coefficients into its kernels), so the constants a package runs on are not the checkpoint's
+tensors. Each package carries the constants it was compiled with; a separate model.safetensors
+would be a second copy that the packages never read. (The cost: prefill and decode each store the
+weights.)
+
+Programs. The model branches in Python on shapes: a ratio-rho compressor on the position mod rho,
+the window and top-k widths on min(W, t) and min(k, n). torch.export turns such a branch into a
+guard that the exported program asserts, so one program cannot cover every length. Positions are
+written as t = period * k + residue (period: the lcm of the compress ratios >= 2): the residue is a
+static part of each program, which makes every modular branch static; k is a dynamic dimension
+whose range torch.export narrows (`Dim.AUTO`) to where the other branches are settled. Prefill
+takes the prompt as a [1, k, period] body and a [1, residue] tail; decode reads its position from
+the length of an empty [k, 0] marker. With period 1 (no ratio >= 2), that is one prefill.pt2 and
+one decode.pt2; otherwise one package per residue (`prefill.r<i>.pt2`). The narrowed ranges are the
+artifact's bounds; `load_artifact` refuses a call outside them (the packages do not check).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+import zipfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dsv41c.cache import ModelCache
+from dsv41c.compiler import DEFAULT_PASSES, inductor_options
+from dsv41c.config import ModelArgs, build_layer_plan
+from dsv41c.errors import ArtifactError, InputError
+from dsv41c.model import Transformer
+from dsv41c.passes.manager import build_pipeline
+from dsv41c.tokenizer import Tokenizer
+
+FORMAT = 1
+MANIFEST_FILE, TOKENIZER_FILE = "manifest.json", "tokenizer.json"
+CACHE_PREFIX = "cache."
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+BATCH = 1                      # generation runs one sequence; the programs are exported for it
+
+
+# ------------------------------------------------------------------------------ versions
+def versions() -> dict[str, str]:
+    """What a package is bound to: the torch build (the packages are compiled C++ against its ABI),
+    TileLang (the custom ops' kernels) and dsv41c (the model code and the ops' schemas)."""
+    import importlib.metadata
+
+    from dsv41c import __version__
+    try:
+        tilelang = importlib.metadata.version("tilelang")
+    except importlib.metadata.PackageNotFoundError:
+        tilelang = "absent"
+    return {"torch": torch.__version__, "tilelang": tilelang, "dsv41c": __version__}
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def period_of(args: ModelArgs) -> int:
+    """The lcm of the compress ratios >= 2: positions with one residue mod it take the same branches."""
+    return math.lcm(1, *(r.ratio for r in build_layer_plan(args) if r.ratio >= 2))
+
+
+def cache_names(model: nn.Module) -> list[str]:
+    return [n for n, _ in model.named_buffers() if n.startswith(CACHE_PREFIX)]
+
+
+# ------------------------------------------------------------------------------ exported wrappers
+class _Step(nn.Module):
+    """Runs `model` with its cache buffers replaced by the tensors passed in (written in place)."""
+
+    def __init__(self, model: Transformer, period: int, residue: int):
+        super().__init__()
+        self.model, self.period, self.residue = model, period, residue
+        self.names = [n[len(CACHE_PREFIX):] for n in cache_names(model)]
+
+    def run(self, ids: torch.Tensor, start_pos, caches: list[torch.Tensor]) -> torch.Tensor:
+        bound = {CACHE_PREFIX + n: c for n, c in zip(self.names, caches, strict=True)}
+        return torch.func.functional_call(self.model, bound, (ids, start_pos), tie_weights=False)
+
+
+class PrefillStep(_Step):
+    """Prompt of period * k + residue tokens: body [1, k, period], tail [1, residue]."""
+
+    def forward(self, body: torch.Tensor, tail: torch.Tensor, caches: list[torch.Tensor]) -> torch.Tensor:
+        return self.run(torch.cat([body.flatten(1), tail], dim=1), 0, caches)
+
+
+class DecodeStep(_Step):
+    """One token at position period * k + residue, k = marker.shape[0] (marker is [k, 0], empty)."""
+
+    def forward(self, ids: torch.Tensor, marker: torch.Tensor, caches: list[torch.Tensor]) -> torch.Tensor:
+        return self.run(ids, marker.shape[0] * self.period + self.residue, caches)
+
+
+def prefill_inputs(ids: torch.Tensor, period: int) -> tuple[torch.Tensor, torch.Tensor]:
+    s = ids.shape[1]
+    body = s - s % period
+    return ids[:, :body].reshape(ids.shape[0], body // period, period), ids[:, body:]
+
+
+def decode_marker(start_pos: int, period: int, device) -> torch.Tensor:
+    return torch.empty(start_pos // period, 0, device=device)
+
+
+# ------------------------------------------------------------------------------ export
+@dataclass
+class ProgramSpec:
+    """One package: phase "prefill" (lo..hi: prompt lengths) or "decode" (lo..hi: positions), all
+    congruent to residue mod period."""
+    phase: str
+    period: int
+    residue: int
+    file: str
+    lo: int = 0
+    hi: int = 0
+    pass_matches: dict | None = None
+    code_sha256: str = ""
+
+    def covers(self, t: int) -> bool:
+        return t % self.period == self.residue and self.lo <= t <= self.hi
+
+
+def program_specs(period: int) -> list[ProgramSpec]:
+    def name(phase, r):
+        return f"{phase}.pt2" if period == 1 else f"{phase}.r{r}.pt2"
+    return [ProgramSpec(phase, period, r, name(phase, r)) for phase in ("prefill", "decode") for r in range(period)]
+
+
+def _dim_range(ep, placeholder: str, dim: int, period: int, residue: int) -> tuple[int, int]:
+    """The range torch.export settled for `placeholder`'s dim, as token counts / positions."""
+    node = next(n for n in ep.graph.nodes if n.op == "placeholder" and n.name == placeholder)
+    size = node.meta["val"].shape[dim]
+    if isinstance(size, int):
+        lo = hi = size                                   # specialised: one length only
+    else:
+        vr = ep.range_constraints[size.node.expr]
+        lo, hi = int(vr.lower), int(vr.upper)
+    return lo * period + residue, hi * period + residue
+
+
+def _export_program(model: Transformer, spec: ProgramSpec, caches: list[torch.Tensor], max_prompt_len: int):
+    from torch.export import Dim
+    args, p, r = model.args, spec.period, spec.residue
+    if spec.phase == "prefill":
+        k_max = (max_prompt_len - r) // p
+        k_ex = max(2, k_max // 2)
+        example = (torch.zeros(BATCH, k_ex, p, dtype=torch.long), torch.zeros(BATCH, r, dtype=torch.long), caches)
+        shapes = {"body": {1: Dim.AUTO(min=1, max=k_max)}, "tail": None, "caches": [None] * len(caches)}
+        ep = torch.export.export(PrefillStep(model, p, r), example, dynamic_shapes=shapes)
+        return ep, _dim_range(ep, "body", 1, p, r)
+    k_max = (args.max_seq_len - 1 - r) // p
+    k_ex = max(2, k_max // 2)
+    example = (torch.zeros(BATCH, 1, dtype=torch.long), torch.empty(k_ex, 0), caches)
+    shapes = {"ids": None, "marker": {0: Dim.AUTO(min=1, max=k_max)}, "caches": [None] * len(caches)}
+    ep = torch.export.export(DecodeStep(model, p, r), example, dynamic_shapes=shapes)
+    return ep, _dim_range(ep, "marker", 0, p, r)
+
+
+def code_digest(package: Path) -> str:
+    """sha256 of what a package runs, stable across exports: its generated C++ sources and their
+    metadata, without the build-command comments AOTInductor appends (they name temp paths). The
+    package file itself is not byte-stable: the compiled library differs from build to build."""
+    h = hashlib.sha256()
+    with zipfile.ZipFile(package) as z:
+        for name in sorted(z.namelist()):
+            if name.endswith((".cpp", "_metadata.json")):
+                text = z.read(name).decode("utf-8", "replace").split("\n// Compile cmd\n")[0].rstrip()
+                h.update(name.split("/")[-1].encode() + b"\0" + text.encode() + b"\0")
+    return h.hexdigest()
+
+
+def _custom_ops(package: Path) -> list[str]:
+    """dsv41c:: ops a package calls (AOTInductor records non-aten ops for its proxy executor)."""
+    import re
+    found = set()
+    with zipfile.ZipFile(package) as z:
+        for name in z.namelist():
+            if name.endswith((".json", ".cpp")):
+                found |= set(re.findall(rb"dsv41c::(\w+)", z.read(name)))
+    return sorted(op.decode() for op in found)
+
+
+def check_out_dir(path: Path) -> None:
+    """OUT must be new (or an empty directory) under an existing, writable parent."""
+    parent = path.absolute().parent
+    if not parent.is_dir():
+        raise InputError(f"--out {path}: the parent directory {parent} does not exist")
+    if path.exists() and not (path.is_dir() and not any(path.iterdir())):
+        raise InputError(f"--out {path}: expected a new or empty directory, found "
+                         f"{'a non-empty directory' if path.is_dir() else 'a file'}")
+    if not os.access(parent, os.W_OK):
+        raise InputError(f"--out {path}: the parent directory {parent} is not writable")
+
+
+def export(model: Transformer, out: str | os.PathLike, passes: Sequence[str] | None = DEFAULT_PASSES,
+           strict: bool = False, *, max_prompt_len: int | None = None, source: dict | None = None,
+           on_stage: Callable[[str], None] | None = None) -> Path:
+    """Export `model` (CPU) to the artifact directory `out` (new or empty), built in a temp directory
+    beside it and renamed into place: `out` is complete or absent.
+
+    passes: the pass pipeline, as for `dsv41c.compile` (strict: a pass that matches nothing is an
+    error); max_prompt_len: the largest prompt the prefill accepts (default max_seq_len); source:
+    where the weights came from, recorded in the manifest; on_stage: called with a description at
+    the start of each stage (progress display). Returns the artifact's path.
+    """
+    out = Path(out)
+    check_out_dir(out)
+    if model.device.type != "cpu":
+        raise InputError(f"export: expected a CPU model, found one on {model.device}")
+    args = model.args
+    max_prompt_len = args.max_seq_len if max_prompt_len is None else max_prompt_len
+    if not 1 <= max_prompt_len <= args.max_seq_len:
+        raise InputError(f"max_prompt_len: expected 1..max_seq_len={args.max_seq_len}, found {max_prompt_len}")
+    stage = on_stage or (lambda _: None)
+    names = list(passes or ())
+    specs = program_specs(period_of(args))
+    caches = [b.detach().clone() for n, b in model.named_buffers() if n.startswith(CACHE_PREFIX)]
+    tmp = Path(tempfile.mkdtemp(dir=out.absolute().parent, prefix=f".{out.name}."))
+    try:
+        custom_ops: set[str] = set()
+        uuid = build_pipeline(names, strict).uuid()
+        for spec in specs:
+            stage(f"torch.export of {spec.file}")
+            with torch.no_grad():
+                ep, (spec.lo, spec.hi) = _export_program(model, spec, caches, max_prompt_len)
+            stage(f"AOTInductor compile of {spec.file}")
+            pipeline = build_pipeline(names, strict)
+            pipeline.bind(model)
+            options = inductor_options(pipeline)
+            # Passed by config.patch, not inductor_configs: AOTInductor deep-copies the latter, and
+            # the copy's statistics would be lost. No FX graph cache: a hit would skip the passes.
+            hook = options.pop("post_grad_custom_post_pass")
+            options["fx_graph_cache"] = False
+            with torch.no_grad(), torch._inductor.config.patch(post_grad_custom_post_pass=hook):
+                torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp / spec.file),
+                                                         inductor_configs=options)
+            spec.pass_matches = {s.name: s.matches for s in pipeline.stats.values()}
+            spec.code_sha256 = code_digest(tmp / spec.file)
+            custom_ops |= set(_custom_ops(tmp / spec.file))
+        stage("writing the tokenizer and the manifest")
+        model.tokenizer.backend.save(str(tmp / TOKENIZER_FILE))
+        manifest = _manifest(model, specs, names, strict, uuid, sorted(custom_ops), source, tmp)
+        (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+        tmp.chmod(0o755)
+        if out.is_dir():
+            out.rmdir()                        # empty (checked): replaced by the complete one
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _manifest(model: Transformer, specs: list[ProgramSpec], passes: list[str], strict: bool, uuid: str,
+              custom_ops: list[str], source: dict | None, root: Path) -> dict[str, Any]:
+    tok = model.tokenizer
+    dtype = next(k for k, v in DTYPES.items() if v == model.dtype)
+    prefill = [s for s in specs if s.phase == "prefill"]
+    decode = [s for s in specs if s.phase == "decode"]
+    return {
+        "format": FORMAT,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "config": model.args.to_dict(),
+        "model": {"dtype": dtype, "kv_quant": model.kv_quant, "kv_storage": model.cache.storage,
+                  "source": source or {}},
+        "passes": {"names": passes, "strict": strict, "uuid": uuid},
+        "versions": versions(),
+        "device": "cpu",
+        "batch": BATCH,
+        "bounds": {"prompt_len": [max(s.lo for s in prefill), min(s.hi for s in prefill)],
+                   "decode_pos": [max(s.lo for s in decode), min(s.hi for s in decode)]},
+        "programs": [{"file": s.file, "phase": s.phase, "period": s.period, "residue": s.residue,
+                      "min": s.lo, "max": s.hi, "pass_matches": s.pass_matches, "code_sha256": s.code_sha256}
+                     for s in specs],
+        "custom_ops": custom_ops,
+        "cache": [[n, list(b.shape), str(b.dtype).removeprefix("torch.")]
+                  for n, b in model.named_buffers() if n.startswith(CACHE_PREFIX)],
+        "tokenizer": {"file": TOKENIZER_FILE, "bos_id": tok.bos_id, "pad_id": tok.pad_id, "noise_id": tok.noise_id},
+        "files": {p.name: sha256(p) for p in sorted(root.iterdir()) if p.name != MANIFEST_FILE},
+    }
+
+
+# ------------------------------------------------------------------------------ load
+def _bad(root: Path, what: str) -> ArtifactError:
+    return ArtifactError(f"{root / MANIFEST_FILE}: {what}")
+
+
+def read_manifest(root: Path) -> dict[str, Any]:
+    path = root / MANIFEST_FILE
+    if not root.is_dir():
+        raise ArtifactError(f"{root}: expected an artifact directory, found {'a file' if root.exists() else 'nothing'}")
+    if not path.is_file():
+        raise ArtifactError(f"{path}: missing (not an exported artifact, or an incomplete one)")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise _bad(root, f"format: expected {FORMAT}, found {found!r}")
+    for key in ("config", "model", "versions", "programs", "cache", "tokenizer", "files", "bounds"):
+        if key not in manifest:
+            raise _bad(root, f"key {key!r} missing")
+    return manifest
+
+
+def verify(root: str | os.PathLike) -> dict[str, Any]:
+    """Check an artifact before anything in it is loaded: the manifest's form, every listed file
+    present with its sha256, no unlisted file, and the versions equal to this process's. Returns
+    the manifest."""
+    root = Path(root)
+    manifest = read_manifest(root)
+    files = manifest["files"]
+    for name, digest in files.items():
+        path = root / name
+        if Path(name).name != name or not path.is_file():
+            raise ArtifactError(f"{path}: listed in {MANIFEST_FILE} but missing")
+        found = sha256(path)
+        if found != digest:
+            raise ArtifactError(f"{path}: sha256 mismatch (tampered or corrupted): expected {digest}, found {found}")
+    extra = sorted(p.name for p in root.iterdir() if p.name not in files and p.name != MANIFEST_FILE)
+    if extra:
+        raise ArtifactError(f"{root / extra[0]}: not listed in {MANIFEST_FILE} (files: {sorted(files)})")
+    here = versions()
+    for key, want in here.items():
+        found = manifest["versions"].get(key)
+        if found != want:
+            raise _bad(root, f"versions.{key}: exported with {found!r}, this process has {want!r}; "
+                             "re-export the artifact with this environment")
+    listed = {p.get("file") for p in manifest["programs"]}
+    if not listed <= set(files):
+        raise _bad(root, f"programs: {sorted(listed - set(files))[0]!r} is not among the hashed files")
+    return manifest
+
+
+def _register_custom_ops(root: Path, ops: list[str]) -> None:
+    """The packages call our ops through torch.library: import the kernel modules that register them."""
+    if not ops:
+        return
+    import importlib
+    for module in ("mhc", "quant"):
+        try:
+            importlib.import_module(f"dsv41c.tilelang_kernels.{module}")
+        except ImportError:
+            pass
+    missing = [op for op in ops if not hasattr(torch.ops.dsv41c, op)]
+    if missing:
+        raise _bad(root, f"custom_ops: dsv41c::{missing[0]} is not registered by this dsv41c "
+                         f"(expected every one of {ops})")
+
+
+class Artifact:
+    """An exported model, loaded: the call surface of `Transformer.forward` for generation (last
+    position's logits [1, V] fp32), with the caches owned here and shared by every program.
+
+    args, tokenizer and manifest are the artifact's; `bounds` (prompt lengths, decode positions)
+    are the exported ranges, and a call outside them is an InputError.
+    """
+
+    def __init__(self, root: Path, manifest: dict[str, Any], programs: list[tuple[ProgramSpec, Any]],
+                 tokenizer: Tokenizer):
+        self.root, self.manifest, self.tokenizer = root, manifest, tokenizer
+        self.args = ModelArgs.from_dict(manifest["config"], source=f"{root / MANIFEST_FILE}: config")
+        self.programs = programs
+        self.period = programs[0][0].period
+        self.bounds = {k: tuple(v) for k, v in manifest["bounds"].items()}
+        m = manifest["model"]
+        if m.get("dtype") not in DTYPES:
+            raise _bad(root, f"model.dtype: expected one of {sorted(DTYPES)}, found {m.get('dtype')!r}")
+        self.cache = ModelCache(self.args, build_layer_plan(self.args), DTYPES[m["dtype"]], m.get("kv_storage", "plain"))
+        found = [[CACHE_PREFIX + n, list(b.shape), str(b.dtype).removeprefix("torch.")]
+                 for n, b in self.cache.named_buffers()]
+        if found != manifest["cache"]:
+            raise _bad(root, f"cache: the packages expect {manifest['cache']}, this dsv41c builds {found}")
+        self.caches = [b for _, b in self.cache.named_buffers()]
+        self.reset_cache()
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def reset_cache(self) -> None:
+        self.cache.reset()
+
+    def check_generation(self, prompt_len: int, max_new_tokens: int) -> None:
+        """The prompt and every decode position must lie within the exported bounds."""
+        lo, hi = self.bounds["prompt_len"]
+        if not lo <= prompt_len <= hi:
+            raise InputError(f"prompt of {prompt_len} tokens: outside the exported prefill bounds {lo}..{hi} "
+                             f"of {self.root} (re-export with other bounds, or use the compiled model)")
+        last = prompt_len + max_new_tokens - 2                     # the last decode step's position
+        if max_new_tokens > 1:
+            lo, hi = self.bounds["decode_pos"]
+            if prompt_len < lo or last > hi:
+                raise InputError(f"decode positions {prompt_len}..{last}: outside the exported decode bounds "
+                                 f"{lo}..{hi} of {self.root}")
+
+    def _program(self, phase: str, t: int):
+        for spec, runner in self.programs:
+            if spec.phase == phase and spec.covers(t):
+                return runner
+        what = "prompt of" if phase == "prefill" else "decode at position"
+        lo, hi = self.bounds["prompt_len" if phase == "prefill" else "decode_pos"]
+        raise InputError(f"{what} {t}{' tokens' if phase == 'prefill' else ''}: outside the exported {phase} "
+                         f"bounds {lo}..{hi} of {self.root}")
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
+            raise InputError(f"input_ids: expected an int64 tensor [1, S], found "
+                             f"{getattr(input_ids, 'dtype', type(input_ids))} {tuple(getattr(input_ids, 'shape', ()))}")
+        b, s = input_ids.shape
+        if b != BATCH:
+            raise InputError(f"input_ids: the artifact is exported for batch {BATCH}, found batch {b}")
+        if s and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.args.vocab_size):
+            raise InputError(f"input_ids: token ids outside the vocabulary 0..{self.args.vocab_size - 1}")
+        if start_pos == 0:
+            run = self._program("prefill", s)
+            return run(*prefill_inputs(input_ids, self.period), self.caches)
+        if s != 1:
+            raise InputError(f"start_pos={start_pos} with {s} tokens: calls are a prefill (start_pos=0) "
+                             "or a one-token decode step (start_pos>0)")
+        run = self._program("decode", start_pos)
+        return run(input_ids, decode_marker(start_pos, self.period, input_ids.device), self.caches)
+
+
+def load_artifact(path: str | os.PathLike) -> Artifact:
+    """Verify an exported artifact (hashes, versions, custom ops) and load its packages; nothing
+    is compiled. Raises ArtifactError naming the file and what is wrong."""
+    root = Path(path)
+    manifest = verify(root)
+    if manifest.get("device") != "cpu":
+        raise _bad(root, f"device: expected 'cpu' (the only exported target), found {manifest.get('device')!r}")
+    _register_custom_ops(root, list(manifest.get("custom_ops", [])))
+    tok = manifest["tokenizer"]
+    tokenizer = Tokenizer.from_file(root / tok["file"], bos_id=tok.get("bos_id"), pad_id=tok.get("pad_id"),
+                                    noise_id=tok.get("noise_id"))
+    programs = []
+    for p in manifest["programs"]:
+        spec = ProgramSpec(p["phase"], p["period"], p["residue"], p["file"], p["min"], p["max"], p.get("pass_matches"))
+        try:
+            runner = torch._inductor.aoti_load_package(str(root / spec.file))
+        except Exception as e:       # a hashed file that still fails to load: a foreign torch build
+            raise ArtifactError(f"{root / spec.file}: AOTInductor could not load the package ({e})") from None
+        programs.append((spec, runner))
+    if not programs:
+        raise _bad(root, "programs: empty")
+    return Artifact(root, manifest, programs, tokenizer)

@@ -1,0 +1,230 @@
+"""Exported artifacts: AOTInductor packages with our passes, the manifest, and the loader.
+
+One export of a 3-layer cut of tiny (one layer of each compressed kind, ratio 1: one prefill and one
+decode package) is shared by the module: the AOTInductor compile of the two packages is most of the
+module's time. Loading runs in a fresh subprocess, as a deployment would: no model code runs there
+but the kernels' op registration.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import dsv41c
+from dsv41c.cli.main import app
+from dsv41c.compiler import DEFAULT_PASSES
+from dsv41c.errors import ArtifactError, InputError
+from dsv41c.export import MANIFEST_FILE, load_artifact, sha256, verify
+from dsv41c.generate import generate
+from dsv41c.passes.manager import build_pipeline
+
+ROOT = Path(__file__).resolve().parents[1]
+CUT = dict(n_layers=3, n_mtp_layers=0, compress_ratios=[1, 1, 1], kv_source_layers=[0], index_source_layers=[0, 1],
+           candidate_source_layer=0, n_routed_experts=2, n_activated_experts=1, dspark_block_size=0,
+           dspark_target_layer_ids=[], hc_sinkhorn_iters=1, engram_layer_ids=[], engram_num_embeddings=[])
+MAX_PROMPT = 32
+PROMPT = "export me, then load me"
+NEW_TOKENS = 6
+
+LOAD_AND_GENERATE = """
+import json, sys, torch
+torch.set_num_threads(1)
+import dsv41c
+from dsv41c.generate import generate
+artifact = dsv41c.load_artifact(sys.argv[1])
+ids = artifact.tokenizer.encode(sys.argv[2])
+artifact.check_generation(len(ids), int(sys.argv[3]))
+result = generate(artifact, ids, int(sys.argv[3]))
+print(json.dumps({"ids": ids, "new_ids": result.new_ids,
+                  "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"]}))
+"""
+
+
+def cut_args() -> dsv41c.ModelArgs:
+    raw = json.loads((ROOT / "configs" / "tiny.json").read_text())
+    raw.update(CUT)
+    return dsv41c.ModelArgs.from_dict(raw)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """(model, artifact directory) of one export with the default passes, strict."""
+    model = dsv41c.build_model(cut_args(), seed=0)
+    stages = []
+    out = dsv41c.export(model, tmp_path_factory.mktemp("export") / "artifact", DEFAULT_PASSES, strict=True,
+                        max_prompt_len=MAX_PROMPT, source={"seed": 0}, on_stage=stages.append)
+    assert len(stages) == 5 and stages[-1].startswith("writing"), stages
+    return model, out
+
+
+def copy_of(artifact: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(artifact, tmp_path / "copy"))
+
+
+def manifest_of(artifact: Path) -> dict:
+    return json.loads((artifact / MANIFEST_FILE).read_text())
+
+
+# ------------------------------------------------------------------------------ the manifest
+def test_manifest_records_the_pipeline_its_matches_versions_bounds_and_hashes(exported):
+    model, artifact = exported
+    m = manifest_of(artifact)
+    assert m["config"] == model.args.to_dict()
+    assert m["passes"] == {"names": list(DEFAULT_PASSES), "strict": True,
+                           "uuid": build_pipeline(DEFAULT_PASSES, True).uuid()}
+    assert m["versions"]["torch"] == torch.__version__ and m["versions"]["dsv41c"] == dsv41c.__version__
+    assert [p["file"] for p in m["programs"]] == ["prefill.pt2", "decode.pt2"]
+    for p in m["programs"]:
+        # wq_a + wkv of every layer fused, in the graph AOTInductor compiled (not a cache hit)
+        assert p["pass_matches"]["fuse_wqa_wkv"] >= model.args.n_layers, p
+    lo, hi = m["bounds"]["prompt_len"]
+    assert 1 <= lo <= 8 and hi == MAX_PROMPT                  # dynamic: a range, not one length
+    lo, hi = m["bounds"]["decode_pos"]
+    assert lo <= m["bounds"]["prompt_len"][0] and hi == model.args.max_seq_len - 1
+    assert set(m["files"]) == {"prefill.pt2", "decode.pt2", "tokenizer.json"}
+    assert all(sha256(artifact / name) == digest for name, digest in m["files"].items())
+    assert m["tokenizer"]["bos_id"] == model.tokenizer.bos_id
+    assert verify(artifact) == m
+
+
+# ------------------------------------------------------------------------------ loading
+def test_a_fresh_process_generates_the_eager_greedy_tokens(exported):
+    model, artifact = exported
+    proc = subprocess.run([sys.executable, "-c", LOAD_AND_GENERATE, str(artifact), PROMPT, str(NEW_TOKENS)],
+                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loaded = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert loaded["compiled_graphs"] == 0                     # nothing traced or compiled at load
+    assert loaded["new_ids"] == generate(model, loaded["ids"], NEW_TOKENS).new_ids
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["passes_only", "inductor"])
+def test_the_artifact_generates_the_tokens_of_dsv41c_compile(exported, backend):
+    """Opt-in (a whole-model compile): the same greedy tokens as dsv41c.compile. The CI test above
+    holds the artifact to eager, and test_passes.py holds dsv41c.compile of this cut to eager."""
+    model, artifact = exported
+    ids = model.tokenizer.encode(PROMPT)
+    torch._dynamo.reset()
+    compiled = dsv41c.compile(model, DEFAULT_PASSES, strict=True, backend=backend)
+    assert generate(load_artifact(artifact), ids, NEW_TOKENS).new_ids == generate(compiled, ids, NEW_TOKENS).new_ids
+
+
+def test_the_packages_match_eager_logits_and_share_the_caches(exported):
+    model, artifact = exported
+    loaded = load_artifact(artifact)
+    ids = torch.randint(0, model.args.vocab_size, (1, 21), generator=torch.Generator().manual_seed(3))
+    model.reset_cache()
+    step = ids
+    for p in (0, 21, 22, 23):                                  # prefill, then decode reads what it wrote
+        ref, out = model(step, p), loaded(step, p)
+        step = ref.argmax(-1, keepdim=True)
+        assert ((out - ref).abs().max() / ref.abs().max()).item() < 1e-4
+
+
+def test_the_cli_runs_an_artifact(exported):
+    _, artifact = exported
+    result = CliRunner().invoke(app, ["run", "--artifact", str(artifact), "--prompt", PROMPT, "--max-new-tokens", "3"])
+    assert result.exit_code == 0, result.output
+    assert "3 tokens generated" in result.output
+
+
+# ------------------------------------------------------------------------------ refusals
+def test_a_tampered_package_is_refused_naming_it(exported, tmp_path):
+    art = copy_of(exported[1], tmp_path)
+    data = bytearray((art / "decode.pt2").read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (art / "decode.pt2").write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match=r"decode\.pt2: sha256 mismatch"):
+        load_artifact(art)
+
+
+def test_a_missing_file_is_refused(exported, tmp_path):
+    art = copy_of(exported[1], tmp_path)
+    (art / "tokenizer.json").unlink()
+    with pytest.raises(ArtifactError, match=r"tokenizer\.json: listed in manifest\.json but missing"):
+        load_artifact(art)
+    shutil.rmtree(art)
+    with pytest.raises(ArtifactError, match="expected an artifact directory, found nothing"):
+        load_artifact(art)
+
+
+def test_an_unlisted_file_and_a_broken_manifest_are_refused(exported, tmp_path):
+    art = copy_of(exported[1], tmp_path)
+    (art / "extra.so").write_bytes(b"\0")
+    with pytest.raises(ArtifactError, match=r"extra\.so: not listed in manifest\.json"):
+        load_artifact(art)
+    (art / "extra.so").unlink()
+    (art / MANIFEST_FILE).write_text("{")
+    with pytest.raises(ArtifactError, match="manifest.json: not valid JSON"):
+        load_artifact(art)
+
+
+@pytest.mark.parametrize("key", ["torch", "tilelang", "dsv41c"])
+def test_a_version_mismatch_is_refused(exported, tmp_path, key):
+    art = copy_of(exported[1], tmp_path)
+    m = manifest_of(art)
+    m["versions"][key] = "0.0.0"
+    (art / MANIFEST_FILE).write_text(json.dumps(m))
+    with pytest.raises(ArtifactError, match=rf"versions\.{key}: exported with '0\.0\.0', this process has"):
+        load_artifact(art)
+
+
+def test_prompts_and_positions_beyond_the_bounds_are_input_errors(exported):
+    model, artifact = exported
+    loaded = load_artifact(artifact)
+    lo, hi = loaded.bounds["prompt_len"]
+    with pytest.raises(InputError, match=rf"prompt of {hi + 1} tokens: outside the exported prefill bounds"):
+        loaded.check_generation(hi + 1, 1)
+    with pytest.raises(InputError, match=rf"prompt of {hi + 1} tokens: outside the exported prefill bounds"):
+        loaded(torch.zeros(1, hi + 1, dtype=torch.long), 0)
+    if lo > 1:
+        with pytest.raises(InputError, match="outside the exported prefill bounds"):
+            loaded(torch.zeros(1, lo - 1, dtype=torch.long), 0)
+    with pytest.raises(InputError, match="decode at position 256: outside the exported decode bounds"):
+        loaded(torch.zeros(1, 1, dtype=torch.long), model.args.max_seq_len)
+    with pytest.raises(InputError, match="exported for batch 1, found batch 2"):
+        loaded(torch.zeros(2, 8, dtype=torch.long), 0)
+
+
+def test_the_cli_prints_one_red_line_for_a_tampered_artifact_and_a_long_prompt(exported, tmp_path):
+    art = copy_of(exported[1], tmp_path)
+    result = CliRunner().invoke(app, ["run", "--artifact", str(art), "--prompt", "x" * 40])
+    assert result.exit_code == 2 and "outside the exported prefill bounds" in result.output, result.output
+    (art / "prefill.pt2").write_bytes(b"not a package")
+    result = CliRunner().invoke(app, ["run", "--artifact", str(art), "--prompt", "hi"])
+    assert result.exit_code == 2, result.output
+    assert "prefill.pt2: sha256 mismatch" in result.output and "Traceback" not in result.output
+
+
+def test_export_refuses_a_non_empty_out_dir_before_any_work(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep").write_text("x")
+    result = CliRunner().invoke(app, ["export", "--config", str(ROOT / "configs" / "tiny.json"),
+                                      "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2 and "expected a new or empty directory" in result.output
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep"]
+
+
+@pytest.mark.slow
+def test_a_second_export_is_the_same_apart_from_timestamps_and_library_bytes(exported, tmp_path):
+    """Opt-in (a second AOTInductor compile): the manifest is identical except `created` and the
+    packages' file hashes; the packages' generated code (code_sha256) is identical. The .pt2 bytes
+    are not: the compiled library differs from build to build."""
+    model, first = exported
+    second = dsv41c.export(model, tmp_path / "again", DEFAULT_PASSES, strict=True, max_prompt_len=MAX_PROMPT,
+                           source={"seed": 0})
+    a, b = manifest_of(first), manifest_of(second)
+    assert a["files"]["tokenizer.json"] == b["files"]["tokenizer.json"]
+    for m in (a, b):
+        m.pop("created")
+        m["files"] = sorted(m["files"])
+    assert a == b
+    assert load_artifact(second)(torch.arange(8).view(1, 8), 0).argmax() == load_artifact(first)(
+        torch.arange(8).view(1, 8), 0).argmax()
