@@ -34,49 +34,31 @@ from __future__ import annotations
 import operator
 import re
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import fx
 from torch._inductor.pattern_matcher import stable_topological_sort
 
+from dsv41c.passes import provenance
 from dsv41c.passes.manager import GraphPass, PassError, PassStats
+from dsv41c.passes.provenance import shape as _shape
+from dsv41c.passes.provenance import site_key
 
 aten = torch.ops.aten
 MHC_FILE = "dsv41c/mhc.py"
 KINDS = ("hc_mixes", "hc_collapse", "hc_expand")
-_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\w+)\n\s*(.*)')
 _SUBLAYER = re.compile(r'mixes\("(\w+)"')
-_MODULE_PREFIX = re.compile(r"^L\['\w+'\](\.__self__)?\.?")
 
 
 def _site_key(node: fx.Node) -> tuple | None:
     """(module path, eager frames up to the mHC function, that function) of a node traced from
     dsv41c/mhc.py, else None."""
-    frames = _FRAME.findall(node.meta.get("stack_trace") or "")
-    for i, (path, _, func, _) in enumerate(frames):
-        if path.replace("\\", "/").endswith(MHC_FILE) and func in KINDS:
-            stack = node.meta.get("nn_module_stack") or {}
-            module = _MODULE_PREFIX.sub("", list(stack.values())[-1][0]) if stack else ""
-            return module, tuple(frames[:i]), func
-    return None
+    return site_key(node, MHC_FILE, KINDS)
 
 
 @dataclass(eq=False)
-class Site:
-    key: tuple
-    nodes: set = field(default_factory=set)
-    inputs: list = field(default_factory=list)     # external input nodes, in graph order
-    outputs: list = field(default_factory=list)    # nodes used outside the site, in graph order
-
-    @property
-    def kind(self) -> str:
-        return self.key[2]
-
-    @property
-    def module(self) -> str:
-        return self.key[0]
-
+class Site(provenance.Site):
     @property
     def sublayer(self) -> str | None:
         for *_, code in reversed(self.key[1]):  # the caller's line: self.mixes("attn", h)
@@ -85,57 +67,10 @@ class Site:
                 return m.group(1)
         return None
 
-    def describe(self) -> str:
-        path, line, _, code = self.key[1][-1]
-        return f"{self.kind} at {self.module or 'model'} ({path.rsplit('/', 1)[-1]}:{line} {code.strip()})"
-
-
-def _shape(node: fx.Node) -> tuple:
-    val = node.meta.get("val")
-    return tuple(val.shape) if isinstance(val, torch.Tensor) else ()
-
 
 def find_sites(graph: fx.Graph) -> list[Site]:
     """The mHC sites of a graph with their external inputs and outputs, in graph order."""
-    sites: dict[tuple, Site] = {}
-    owner: dict[fx.Node, Site] = {}
-    for node in graph.nodes:
-        if node.op == "call_function":
-            key = _site_key(node)
-            if key is not None:
-                owner[node] = sites.setdefault(key, Site(key))
-    changed = True
-    while changed:                                # untraced nodes whose users all lie in one site
-        changed = False
-        for node in reversed(graph.nodes):
-            if node in owner or node.op != "call_function" or not node.users:
-                continue
-            homes = {owner.get(u) for u in node.users}
-            if len(homes) != 1 or None in homes or node.meta.get("stack_trace"):
-                continue
-            home = homes.pop()
-            if all(owner.get(a) is home or _is_constant(a) for a in node.all_input_nodes):
-                owner[node] = home
-                changed = True
-    for node, site in owner.items():
-        site.nodes.add(node)
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    for site in sites.values():
-        ins, outs = set(), set()
-        for node in site.nodes:
-            ins.update(a for a in node.all_input_nodes if a not in site.nodes)
-            if any(u not in site.nodes for u in node.users):
-                outs.add(node)
-        site.inputs = sorted(ins, key=order.__getitem__)
-        site.outputs = sorted(outs, key=order.__getitem__)
-    return sorted(sites.values(), key=lambda s: min(order[n] for n in s.nodes))
-
-
-def _is_constant(node: fx.Node) -> bool:
-    """A graph constant or a scalar input (an eps), which an untraced node may read and still
-    belong to a site."""
-    return node.op == "get_attr" or (node.op == "placeholder" and not _shape(node)) or \
-        (node.op == "call_function" and not node.all_input_nodes)
+    return provenance.find_sites(graph, _site_key, Site)
 
 
 class LowerMHC(GraphPass):

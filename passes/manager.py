@@ -16,6 +16,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from dsv41c.errors import DSV41CError
+from dsv41c.passes import provenance
 
 
 class PassError(DSV41CError):
@@ -38,9 +39,12 @@ class PassStats:
 
 
 class GraphPass:
-    """A pass: `apply(graph)` rewrites a post-grad `torch.fx.Graph` in place and returns stats."""
+    """A pass: `apply(graph)` rewrites a post-grad `torch.fx.Graph` in place and returns stats.
+    `strict` is the pipeline's: a pass that can leave part of its work undone (and still be
+    correct) reports it, and fails in strict mode."""
 
     name = "pass"
+    strict = False
 
     def __init__(self, **options: Any):
         self.options = options
@@ -54,6 +58,8 @@ class PassPipeline(CustomGraphPass):
 
     def __init__(self, passes: Sequence[GraphPass], strict: bool = False):
         self.passes, self.strict = list(passes), strict
+        for p in self.passes:
+            p.strict = strict
         self.stats = {p.name: PassStats(p.name) for p in self.passes}
         self.graphs = 0
 
@@ -76,6 +82,7 @@ class PassPipeline(CustomGraphPass):
     def uuid(self) -> str:
         """Changes when the pass list, any pass option, or any pass's source changes."""
         h = hashlib.sha256(inspect.getsource(inspect.getmodule(PassPipeline)).encode())
+        h.update(inspect.getsource(provenance).encode())      # shared by the provenance passes
         for p in self.passes:
             h.update(json.dumps([p.name, p.options, self.strict], sort_keys=True, default=str).encode())
             h.update(inspect.getsource(inspect.getmodule(type(p))).encode())
@@ -84,10 +91,11 @@ class PassPipeline(CustomGraphPass):
 
 def registry() -> dict[str, type[GraphPass]]:
     """Known passes by name, in the order a pipeline runs them (mHC lowering first: it takes the
-    mixes GEMMs into its kernels before projections are fused)."""
+    mixes GEMMs into its kernels before projections are fused; fp4_kv touches only the cache codecs)."""
+    from dsv41c.passes.fp4_kv import PackedKV
     from dsv41c.passes.fuse_wqa_wkv import FuseSiblingLinears
     from dsv41c.passes.lower_mhc import LowerMHC
-    return {LowerMHC.name: LowerMHC, FuseSiblingLinears.name: FuseSiblingLinears}
+    return {LowerMHC.name: LowerMHC, FuseSiblingLinears.name: FuseSiblingLinears, PackedKV.name: PackedKV}
 
 
 def build_pipeline(names: Sequence[str], strict: bool = False, options: dict[str, dict] | None = None) -> PassPipeline:
