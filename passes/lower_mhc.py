@@ -219,6 +219,7 @@ class _Rewrite:
                 node = self.graph.get_attr(name)
             node.meta["val"] = self.fake_mode.from_tensor(value, static_shapes=True)
             nodes.append(node)
+            self.added += 1
         return nodes
 
     # ------------------------------------------------------------------ rewriting
@@ -241,7 +242,6 @@ class _Rewrite:
             for i, val in enumerate(call.meta["val"]):
                 item = self._node(operator.getitem, (call, i))
                 outs.append(self._node(aten.reshape.default, (item, [*sizes, *val.shape[1:]])))
-        self.added += 1
         return outs
 
     def _node(self, target, args, kwargs=None) -> fx.Node:
@@ -252,6 +252,7 @@ class _Rewrite:
                 for a in args]
         with self.fake_mode:
             node.meta["val"] = target(*fake, **(kwargs or {}))
+        self.added += 1
         return node
 
     def _replace(self, old: fx.Node, new: fx.Node) -> None:
