@@ -309,9 +309,12 @@ class Attention(nn.Module):
                 state.topk[role.layer_id] = idx.new_zeros(state.batch, state.seqlen, 0)
         if n_new:
             entries = apply_rope(latents, entry_rope)
-            if self.kv_quant:
+            store = caches[role.layer_id].kv
+            # a packed store quantises what it is given and reads back its fake quant; quantising
+            # the fake-quantised entries again is not the identity for FP4 with E4M3 scales
+            if self.kv_quant and store.fmt is None:
                 entries = quant.fp4_e4m3_fake_quant(entries, 16)
-            caches[role.layer_id].kv.write(slice(g0, g0 + n_new), entries)
+            store.write(slice(g0, g0 + n_new), entries)
         compressed = caches[role.kv_source].kv.read(state.batch, n_c)
         return torch.cat([kv_rows, compressed], dim=1), torch.cat([idx, state.topk[role.index_source]], dim=-1)
 

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import dsv41c
-from dsv41c.cache import ModelCache
+from dsv41c import quant
+from dsv41c.cache import ModelCache, RowStore
 from dsv41c.config import ModelArgs, build_layer_plan
 from dsv41c.kv_budget import kv_budget
 
@@ -52,3 +53,17 @@ def test_packed_storage_needs_kv_quant():
     args = ModelArgs.from_json(CONFIGS / "tiny.json")
     with pytest.raises(dsv41c.InputError, match="kv_quant"):
         dsv41c.build_model(args, kv_quant=False, kv_storage="packed")
+
+
+def test_packed_rows_read_back_as_the_fake_quant_of_what_was_written():
+    """A packed FP4 store decodes to fake_quant(x) of the x written to it. Writing fake_quant(x)
+    instead quantises twice, which for FP4 with E4M3 scales is not the identity (blocks whose scale
+    is an E4M3 subnormal), so the attention hands a packed cache the un-quantised entries."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 256, 512, generator=g)
+    x = x * torch.exp2(torch.randint(-10, 2, (1, 256, 32, 1), generator=g).float()).repeat_interleave(16, -2)[..., 0]
+    store = RowStore(1, 256, 512, torch.float32, "fp4_e4m3")
+    store.write(slice(0, 256), x)
+    assert torch.equal(store.read(1), quant.fp4_e4m3_fake_quant(x, 16))
+    store.write(slice(0, 256), quant.fp4_e4m3_fake_quant(x, 16))
+    assert not torch.equal(store.read(1), quant.fp4_e4m3_fake_quant(x, 16))
