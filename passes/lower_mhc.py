@@ -26,8 +26,9 @@ Before (one FFN site, simplified):              After:
     x  = convert(sum(mul(w', float(h_new))))
 
 fn, scale and base come from the bound model (`bind`), named by the site's module path and the
-sublayer its trace names ("attn"/"ffn"); they enter the graph as compile-time constants. Strict
-mode: any mHC op left in the graph is an error naming its site.
+sublayer its trace names ("attn"/"ffn"); they enter the graph as compile-time constants. A site
+the pass cannot lower is an error naming it, in strict mode and out of it: a half-lowered graph
+would silently lose the single pass over the streams.
 """
 from __future__ import annotations
 
