@@ -17,7 +17,6 @@ Inductor's joint-graph and post-grad passes with our pipeline among them):
 """
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
@@ -28,6 +27,7 @@ from torch import fx
 
 from dsv41c.errors import InputError
 from dsv41c.model import Transformer
+from dsv41c.passes import provenance
 from dsv41c.passes.manager import GraphPass, PassPipeline, PassStats, build_pipeline
 
 DEFAULT_PASSES = ("fuse_wqa_wkv",)
@@ -103,24 +103,20 @@ GEMM_OPS = (aten.mm.default, aten.addmm.default)
 MHC_SOURCE = "dsv41c/mhc.py"
 
 
-def traced_from(node: fx.Node) -> str:
-    """The innermost source frame of a node (`File "...", line N, in fn`), '' if unknown."""
-    frames = [line for line in (node.meta.get("stack_trace") or "").splitlines() if line.lstrip().startswith("File")]
-    return frames[-1].strip().replace("\\", "/") if frames else ""
+def _traced_from(node: fx.Node) -> str:
+    """The file of a node's innermost source frame, '' if unknown."""
+    frames = provenance.frames(node)
+    return frames[-1][0].replace("\\", "/") if frames else ""
 
 
 def module_path(node: fx.Node) -> str:
     """The model submodule a node was traced in ("layers.3.attn.wq_a"), else that of its first input
     that has one (nodes a pass creates carry no source of their own); "" if none."""
     while node is not None:
-        stack = node.meta.get("nn_module_stack")
-        if stack:
-            return _MODULE_PREFIX.sub("", list(stack.values())[-1][0])
+        if node.meta.get("nn_module_stack"):
+            return provenance.module_of(node)
         node = next(iter(node.all_input_nodes), None)
     return ""
-
-
-_MODULE_PREFIX = re.compile(r"^L\['\w+'\](\.__self__)?\.?")
 
 
 def gemm_modules(graph: fx.Graph) -> tuple[str, ...]:
@@ -136,7 +132,7 @@ def count_ops(graph: fx.Graph) -> OpCounts:
         nodes += 1
         gemms += n.target in GEMM_OPS
         bmm += n.target is aten.bmm.default
-        mhc += MHC_SOURCE in traced_from(n)
+        mhc += _traced_from(n).endswith(MHC_SOURCE)
         writes += n.target is aten.copy_.default and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder"
     return OpCounts(gemms, bmm, mhc, writes, nodes)
 
