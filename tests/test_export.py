@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import THREE_KINDS
 import torch
 from typer.testing import CliRunner
 
@@ -25,9 +26,7 @@ from dsv41c.generate import generate
 from dsv41c.passes.manager import build_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
-CUT = dict(n_layers=3, n_mtp_layers=0, compress_ratios=[1, 1, 1], kv_source_layers=[0], index_source_layers=[0, 1],
-           candidate_source_layer=0, n_routed_experts=2, n_activated_experts=1, dspark_block_size=0,
-           dspark_target_layer_ids=[], hc_sinkhorn_iters=1, engram_layer_ids=[], engram_num_embeddings=[])
+CUT = dict(THREE_KINDS, hc_sinkhorn_iters=1, engram_layer_ids=[], engram_num_embeddings=[])
 MAX_PROMPT = 32
 PROMPT = "export me, then load me"
 NEW_TOKENS = 6
