@@ -24,7 +24,8 @@ After:
     codes' = index_put(codes, [None, slot], c); scales' = index_put(scales, [None, slot], e)
     rows   = dsv41c.fp8_dequant(codes', scales', float32)
 
-The quantiser's input is the fake-quantised vector (attention applies kv_quant before the write).
+The window's and index keys' quantiser input is the fake-quantised vector (attention applies
+kv_quant before those writes; compressed KV entries reach a packed store un-quantised).
 When that input comes from the fake quantiser of the same format and block (possibly through row
 slices: the window keeps the last W rows), the kernel reads the fake quantiser's input instead:
 dequant(quant(x)) equals fake_quant(x) bit for bit (quant.py), so the cache then reads back exactly
