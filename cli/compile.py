@@ -19,6 +19,7 @@ from rich.table import Table
 import dsv41c
 from dsv41c.compiler import BACKENDS, DEFAULT_PASSES, CompiledModel, GraphSnapshot
 from dsv41c.errors import InputError
+from dsv41c.export import check_out_dir
 from dsv41c.golden import relative_error
 
 Backend = Enum("Backend", {b: b for b in BACKENDS}, type=str)
@@ -59,7 +60,7 @@ def compile_command(
         raise InputError(f"--config {config}: expected a config file, found "
                          f"{'a directory' if config.is_dir() else 'nothing'}")
     if dump_graphs is not None:
-        check_dump_dir(dump_graphs)
+        check_out_dir(dump_graphs, "--dump-graphs")
     args = dsv41c.ModelArgs.from_json(config)
     prompt_len = 3 * args.window_size + 1 if prompt_len is None else prompt_len
     if prompt_len < 1 or decode_steps < 0:
@@ -166,19 +167,6 @@ def rates_table(eager: tuple[float, float], compiled: tuple[float, float], backe
 
 
 # ------------------------------------------------------------------------------ graph dumps
-def check_dump_dir(path: Path) -> None:
-    """DIR must be new (or an empty directory) and its parent an existing directory: checked before
-    the (long) compile, so a bad DIR fails at once."""
-    parent = path.absolute().parent
-    if not parent.is_dir():
-        raise InputError(f"--dump-graphs {path}: the parent directory {parent} does not exist")
-    if path.exists() and not (path.is_dir() and not any(path.iterdir())):
-        raise InputError(f"--dump-graphs {path}: expected a new or empty directory, found "
-                         f"{'a non-empty directory' if path.is_dir() else 'a file'}")
-    if not os.access(parent, os.W_OK):
-        raise InputError(f"--dump-graphs {path}: the parent directory {parent} is not writable")
-
-
 def write_graphs(path: Path, snapshots: list[GraphSnapshot], labels: dict[int, str]) -> None:
     """`graph<g>_<k>_<stage>.py` per snapshot, written into a temp directory beside DIR and renamed
     into place, so DIR is either complete or absent."""

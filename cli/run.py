@@ -124,12 +124,16 @@ def run(
             model = dsv41c.build_model(args, seed=seed, dtype=TORCH_DTYPES[dtype], kv_quant=kv_quant,
                                        device=target, tokenizer=tok, kv_storage=storage)
         progress.remove_task(task)
-        task = progress.add_task("generating", total=max_new_tokens)
-        result = generate(model, ids, max_new_tokens, temperature=temperature, seed=seed,
-                          on_token=lambda _: progress.advance(task))
-
+        result = generate_with_progress(progress, model, ids, max_new_tokens, temperature, seed)
     typer.echo(printable(result.text))
     typer.echo(rates_line(result))
+
+
+def generate_with_progress(progress, model, ids, max_new_tokens: int, temperature: float, seed: int):
+    """`generate`, advancing a "generating" task of `progress` per token."""
+    task = progress.add_task("generating", total=max_new_tokens)
+    return generate(model, ids, max_new_tokens, temperature=temperature, seed=seed,
+                    on_token=lambda _: progress.advance(task))
 
 
 def run_artifact(path: Path, prompt: Optional[str], prompt_ids: Optional[str], max_new_tokens: int,
@@ -143,9 +147,7 @@ def run_artifact(path: Path, prompt: Optional[str], prompt_ids: Optional[str], m
         check_prompt(model.args, ids, max_new_tokens)
         model.check_generation(len(ids), max_new_tokens)
         progress.remove_task(task)
-        task = progress.add_task("generating", total=max_new_tokens)
-        result = generate(model, ids, max_new_tokens, temperature=temperature, seed=seed,
-                          on_token=lambda _: progress.advance(task))
+        result = generate_with_progress(progress, model, ids, max_new_tokens, temperature, seed)
     typer.echo(printable(result.text))
     typer.echo(rates_line(result))
 

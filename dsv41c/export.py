@@ -55,6 +55,7 @@ from dsv41c.cache import ModelCache
 from dsv41c.compiler import DEFAULT_PASSES, inductor_options
 from dsv41c.config import ModelArgs, build_layer_plan
 from dsv41c.errors import ArtifactError, InputError
+from dsv41c.golden import file_sha256
 from dsv41c.model import Transformer
 from dsv41c.passes.manager import build_pipeline
 from dsv41c.tokenizer import Tokenizer
@@ -80,12 +81,7 @@ def versions() -> dict[str, str]:
     return {"torch": torch.__version__, "tilelang": tilelang, "dsv41c": __version__}
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+sha256 = file_sha256  # the sha256 of a file, as the golden manifest records it
 
 
 def period_of(args: ModelArgs) -> int:
@@ -213,16 +209,17 @@ def _custom_ops(package: Path) -> list[str]:
     return sorted(op.decode() for op in found)
 
 
-def check_out_dir(path: Path) -> None:
-    """OUT must be new (or an empty directory) under an existing, writable parent."""
+def check_out_dir(path: Path, option: str = "--out") -> None:
+    """An output directory (named by its CLI option in errors) must be new or empty, under an
+    existing, writable parent: checked before long work, so a bad path fails at once."""
     parent = path.absolute().parent
     if not parent.is_dir():
-        raise InputError(f"--out {path}: the parent directory {parent} does not exist")
+        raise InputError(f"{option} {path}: the parent directory {parent} does not exist")
     if path.exists() and not (path.is_dir() and not any(path.iterdir())):
-        raise InputError(f"--out {path}: expected a new or empty directory, found "
+        raise InputError(f"{option} {path}: expected a new or empty directory, found "
                          f"{'a non-empty directory' if path.is_dir() else 'a file'}")
     if not os.access(parent, os.W_OK):
-        raise InputError(f"--out {path}: the parent directory {parent} is not writable")
+        raise InputError(f"{option} {path}: the parent directory {parent} is not writable")
 
 
 def export(model: Transformer, out: str | os.PathLike, passes: Sequence[str] | None = DEFAULT_PASSES,
