@@ -1,0 +1,449 @@
+"""Indexer kernels (MODEL.md §6.5, §6.9): scores straight from the MXFP4 index keys, top-k, funnel.
+
+Ops (`torch.ops.dsv41c.*`); B sequences, S queries, H index heads of width d (a multiple of 32),
+n keys, nb = ceil(n / 8) candidate blocks:
+  index_scores(q [B,S,H,d] bf16, codes u8 [B,>=n,d/2], scales u8 [B,>=n,d/32], w [B,S,H] bf16,
+               visible_len int32 [S] or None, cand_blocks bool [B,S,nb] or None, *, n, block_max)
+      -> (scores [B,S,n] bf16, block max [B,S,nb] bf16, or [B,S,0] without block_max)
+      score[b,s,t] = sum_h relu(q[b,s,h] . K[b,t]) * w[b,s,h] with the bf16 rounding points of
+      §6.5(d); -inf where t >= visible_len[s] (prefill; None in decode: all visible) and where
+      the candidate block t // 8 is not kept.  The keys are the packed cache (a RowStore's
+      `codes`/`scales`, rows 0..n-1 are read, so the whole cache buffer can be passed).
+  index_topk(scores [B,S,n] bf16, visible_len int32 [S], *, k, offset) -> int32 [B,S,k]
+      the k largest scores per query, ties to the lower index, ascending; indices >= visible_len
+      become -1, the others get + offset (§6.5(g), the -inf fill quirk included).
+  candidate_blocks(block_max [B,S,nb] bf16, visible_len int32 [S], *, topk_blocks)
+      -> keep bool [B,S,nb]: the newest block (visible_len-1)//8 pinned, the top
+      min(topk_blocks, nb) blocks, ties to the lower index, kept iff also > -inf (§6.9).
+      `expand_blocks(keep, n)` is the entry mask the eager model publishes.
+
+Tie-breaking.  The spec leaves it to the implementation; here a lower index always wins (as in
+the fp32 twin `dsv41c.attention.top_indices`), which also makes prefill and decode agree.  The refs
+below use that rule (a stable descending sort of the exact fp32 image of the bf16 scores).
+
+How the selection works.  A bf16 score maps to a 16-bit key that orders like the value (-0 is
++0).  Two 256-bin histograms (high byte, then the low byte within the threshold bin) find the
+k-th largest key T and how many keys equal to T are needed; one more pass over the indices in
+ascending order emits every key > T and the first `need` keys == T, so the output is already
+sorted.  The funnel is the same select over block maxima with the newest block's key set to +inf.
+
+Numerics of the scores.  The keys dequantise exactly (E2M1 x 2^k); each q.k is an fp32 sum
+rounded once to bf16, relu, times w rounded to bf16, summed over heads in order h = 0..H-1 in fp32
+and rounded once.  With MXFP4 queries (the model's fake quant) every product and every partial
+sum of q.k is exact in fp32, so the C build equals the eager bf16 computation bit for bit; the
+head sum is order dependent only beyond fp32 precision (the tests state the bound).
+
+CPU (C target): one program per query, serial loops.  bf16 travels as its uint16 bits.
+
+CUDA (sm_90a): see `_cuda_scores_prim_func` and `_cuda_select_prim_func`.
+"""
+
+import functools
+
+import tilelang
+import tilelang.cpu.language as TC
+import tilelang.language as T
+import torch
+import torch.nn.functional as F
+from dsv41c.tilelang_kernels.quant import _e2m1_value, _e8m0_value, _store
+
+from dsv41c import quant
+from dsv41c.attention import Indexer, top_indices
+
+__all__ = ["BLOCK", "index_scores", "index_scores_ref", "index_topk", "index_topk_ref", "candidate_blocks",
+           "candidate_blocks_ref", "expand_blocks", "build", "scores_prim_func", "select_prim_func"]
+
+BLOCK = 8  # candidate block size b_c (§6.9)
+_NEG_INF_BF16 = 0xFF80
+_KEY_NEG_INF = 0x007F  # order key of -inf
+_KEY_POS_INF = 0xFF80  # order key of +inf
+
+
+# ------------------------------------------------------------------------------------- refs
+
+def _scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """§6.5(d) in the eager model's bf16 ops (the three lines of `Indexer.forward`)."""
+    scores = torch.einsum("bshd,btd->bsht", q, keys)
+    return (scores.relu() * w.unsqueeze(-1)).sum(dim=2)
+
+
+def _invisible(visible_len: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.arange(n, device=visible_len.device) >= visible_len.view(-1, 1)
+
+
+def expand_blocks(keep: torch.Tensor, n: int) -> torch.Tensor:
+    """Block keep flags [..., nb] -> the entry mask [..., n] (each flag repeated 8 times, cut)."""
+    return keep.repeat_interleave(BLOCK, dim=-1)[..., :n]
+
+
+def index_scores_ref(q, codes, scales, w, visible_len=None, cand_blocks=None, *, n=None, block_max=False):
+    """What `index_scores` computes, from the eager code on the dequantised keys (same args)."""
+    n = codes.shape[1] if n is None else n
+    keys = quant.mxfp4_dequant_ref(codes[:, :n], scales[:, :n], torch.bfloat16)
+    scores = _scores(q, keys, w)
+    if visible_len is not None:
+        scores = scores.masked_fill(_invisible(visible_len, n), float("-inf"))
+    if cand_blocks is not None:
+        scores = scores.masked_fill(~expand_blocks(cand_blocks, n), float("-inf"))
+    nb = -(-n // BLOCK)
+    if not block_max:
+        return scores, scores.new_empty(*scores.shape[:2], 0)
+    padded = F.pad(scores, (0, nb * BLOCK - n), value=float("-inf"))
+    return scores, padded.unflatten(-1, (nb, BLOCK)).amax(dim=-1)
+
+
+def index_topk_ref(scores, visible_len, *, k, offset):
+    """§6.5(g) with ties to the lower index: `top_indices` of the exact fp32 image, sorted."""
+    idx = top_indices(scores.float(), k).sort(dim=-1).values
+    return torch.where(idx >= visible_len.view(1, -1, 1), -1, idx + offset).int()
+
+
+def candidate_blocks_ref(block_max, visible_len, *, topk_blocks):
+    """§6.9 steps 2-3 by `Indexer.candidate_mask` (ties to the lower index), as block flags."""
+    funnel = type("Funnel", (), {"block_size": 1, "topk_blocks": topk_blocks})()
+    # with block_size 1 over the block maxima, candidate_mask pins entry (its visible_len) - 1
+    newest_block = (visible_len - 1).div(BLOCK, rounding_mode="floor")
+    return Indexer.candidate_mask(funnel, block_max.float(), newest_block + 1)
+
+
+# ------------------------------------------------------------------------------------- shared TIR
+
+def _u(v):
+    return T.uint32(v)
+
+
+def _f(bits):
+    return T.reinterpret(bits, "float32")
+
+
+def _bf16_value(h):
+    """fp32 value of bf16 bits h (a uint16 or uint32 expression)."""
+    return _f(T.Cast("uint32", h) << _u(16))
+
+
+def _round_bf16(x):
+    """x rounded to bf16 (round to nearest even, finite inputs), as an fp32 value."""
+    return _bf16_value(_store("uint16", x))
+
+
+def _order_key(h):
+    """16-bit key (uint32) ordering bf16 bits h like their values; -0 maps with +0."""
+    b = T.Cast("uint32", h)
+    b = T.Select(b == _u(0x8000), _u(0), b)
+    return T.Select((b & _u(0x8000)) != _u(0), (~b) & _u(0xFFFF), b | _u(0x8000))
+
+
+def _nonzero_bf16(x_bits):
+    """bf16 bits with -0 replaced by +0 (a sum of zeros has no meaningful sign)."""
+    return T.Select(x_bits == T.Cast("uint16", 0x8000), T.Cast("uint16", 0), x_bits)
+
+
+def _sel_key(h, i, newest, blocks):
+    """Order key of entry i with bf16 bits h; the funnel pins block `newest` to +inf."""
+    k = _order_key(h)
+    return T.Select(i == newest, _u(_KEY_POS_INF), k) if blocks else k
+
+
+# ------------------------------------------------------------------------------------- C builds
+
+def _cpu_scores_prim_func(H, d, visible, cand, bmax):
+    N, NC, NB = T.dynamic("N"), T.dynamic("NC"), T.dynamic("NB")
+    B, S = T.dynamic("B"), T.dynamic("S")
+    nsb = d // 32
+
+    @T.prim_func
+    def main(Q: T.Tensor((B, S, H, d), "uint16"), CODES: T.Tensor((B, NC, d // 2), "uint8"),
+             SCALES: T.Tensor((B, NC, nsb), "uint8"), W: T.Tensor((B, S, H), "uint16"),
+             VL: T.Tensor((S,) if visible else (1,), "int32"),
+             CAND: T.Tensor((B, S, NB) if cand else (1,), "uint8"),
+             SC: T.Tensor((B, S, N), "uint16"), BM: T.Tensor((B, S, NB) if bmax else (1,), "uint16")):
+        with TC.Kernel(S, B) as (s, b):
+            qf = T.alloc_local((H, d), "float32")
+            wf = T.alloc_local((H,), "float32")
+            kf = T.alloc_local((d,), "float32")
+            acc = T.alloc_var("float32")
+            tot = T.alloc_var("float32")
+            bm = T.alloc_var("float32")
+            for h in T.serial(H):
+                wf[h] = _bf16_value(W[b, s, h])
+                for i in T.serial(d):
+                    qf[h, i] = _bf16_value(Q[b, s, h, i])
+            for t in T.serial(N):
+                for j in T.serial(nsb):
+                    sc = _e8m0_value(T.Cast("uint32", SCALES[b, t, j]))
+                    for i in T.serial(16):
+                        p = T.Cast("uint32", CODES[b, t, j * 16 + i])
+                        kf[j * 32 + 2 * i] = _e2m1_value(p & _u(0xF)) * sc
+                        kf[j * 32 + 2 * i + 1] = _e2m1_value(p >> _u(4)) * sc
+                tot = T.float32(0)
+                for h in T.serial(H):
+                    acc = T.float32(0)
+                    for i in T.serial(d):
+                        acc = acc + qf[h, i] * kf[i]
+                    tot = tot + _round_bf16(T.max(_round_bf16(acc), T.float32(0)) * wf[h])
+                out = _nonzero_bf16(_store("uint16", tot))
+                if visible:
+                    out = T.Select(t >= VL[s], T.Cast("uint16", _NEG_INF_BF16), out)
+                if cand:
+                    out = T.Select(CAND[b, s, t // BLOCK] == T.Cast("uint8", 0), T.Cast("uint16", _NEG_INF_BF16), out)
+                SC[b, s, t] = out
+            if bmax:
+                for j in T.serial(NB):
+                    bm = _bf16_value(_NEG_INF_BF16)
+                    for i in T.serial(BLOCK):
+                        if j * BLOCK + i < N:
+                            bm = T.max(bm, _bf16_value(SC[b, s, j * BLOCK + i]))
+                    BM[b, s, j] = _store("uint16", bm)
+    return main
+
+
+def _cpu_select_prim_func(mode):
+    """mode "topk": K [B,S,k] int32 indices; mode "blocks": keep flags u8 [B,S,n] (pin newest)."""
+    B, S, N, KO = T.dynamic("B"), T.dynamic("S"), T.dynamic("N"), T.dynamic("KO")
+    blocks = mode == "blocks"
+    out_shape, out_dtype = ((B, S, N), "uint8") if blocks else ((B, S, KO), "int32")
+
+    @T.prim_func
+    def main(SC: T.Tensor((B, S, N), "uint16"), VL: T.Tensor((S,), "int32"), ARGS: T.Tensor((2,), "int32"),
+             OUT: T.Tensor(out_shape, out_dtype)):
+        with TC.Kernel(S, B) as (s, b):
+            hist = T.alloc_local((256,), "int32")
+            thr = T.alloc_var("uint32")
+            above = T.alloc_var("int32")
+            found = T.alloc_var("int32")
+            pos = T.alloc_var("int32")
+            eqc = T.alloc_var("int32")
+            need = T.alloc_var("int32")
+            kv = T.alloc_var("uint32")
+            kk = ARGS[0]
+            newest = T.Select(VL[s] > 0, (VL[s] - 1) // BLOCK, -1)
+
+            T.clear(hist)
+            for i in T.serial(N):
+                kv = _sel_key(SC[b, s, i], i, newest, blocks)
+                hist[T.Cast("int32", kv >> _u(8))] += 1
+            above = 0
+            found = 0
+            thr = _u(0)
+            for j in T.serial(256):
+                if found == 0:
+                    if above + hist[255 - j] >= kk:
+                        thr = T.Cast("uint32", 255 - j)
+                        found = 1
+                    else:
+                        above = above + hist[255 - j]
+            T.clear(hist)
+            for i in T.serial(N):
+                kv = _sel_key(SC[b, s, i], i, newest, blocks)
+                if (kv >> _u(8)) == thr:
+                    hist[T.Cast("int32", kv & _u(0xFF))] += 1
+            found = 0
+            for j in T.serial(256):
+                if found == 0:
+                    if above + hist[255 - j] >= kk:
+                        thr = (thr << _u(8)) | T.Cast("uint32", 255 - j)
+                        found = 1
+                    else:
+                        above = above + hist[255 - j]
+            need = kk - above
+            pos = 0
+            eqc = 0
+            for i in T.serial(N):
+                kv = _sel_key(SC[b, s, i], i, newest, blocks)
+                if blocks:
+                    OUT[b, s, i] = T.Cast("uint8", 0)
+                if kv > thr or (kv == thr and eqc < need):
+                    if blocks:
+                        OUT[b, s, i] = T.Cast("uint8", kv > _u(_KEY_NEG_INF))
+                    else:
+                        OUT[b, s, pos] = T.Select(i >= VL[s], -1, i + ARGS[1])
+                    pos = pos + 1
+                if kv == thr:
+                    eqc = eqc + 1
+    return main
+
+
+# ------------------------------------------------------------------------------------- builds
+
+def scores_prim_func(H: int, d: int, visible: bool, cand: bool, bmax: bool, target: str):
+    """The scoring prim_func for H heads of width d; flags: causal mask, candidate blocks, block max."""
+    if d % 32 or H < 1:
+        raise ValueError(f"index_scores: need d a multiple of 32 and H >= 1, got H={H}, d={d}")
+    if target == "c":
+        return _cpu_scores_prim_func(H, d, visible, cand, bmax)
+    return _cuda_scores_prim_func(H, d, visible, cand, bmax)
+
+
+def select_prim_func(mode: str, target: str):
+    """The selection prim_func, mode "topk" (indices) or "blocks" (funnel keep flags)."""
+    if mode not in ("topk", "blocks"):
+        raise ValueError(f"indexer select: unknown mode {mode!r}")
+    if target == "c":
+        return _cpu_select_prim_func(mode)
+    return _cuda_select_prim_func(mode)
+
+
+@functools.cache
+def build(kind: str, key: tuple, target: str):
+    """Compiled kernel, once per process per (kind "scores"/"select", key, target); target "c"
+    (CPU) or "cuda:sm_XX"."""
+    cpu = target == "c"
+    fn = (scores_prim_func if kind == "scores" else select_prim_func)(*key, "c" if cpu else "cuda")
+    if cpu:
+        return tilelang.compile(fn, target="c")
+    arch = target.partition(":")[2]
+    tgt = {"kind": "cuda", "arch": arch} if arch else "cuda"
+    return tilelang.compile(fn, target=tgt, pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: False})
+
+
+def _target(t: torch.Tensor) -> str:
+    if t.device.type == "cpu":
+        return "c"
+    if t.device.type == "cuda":  # wgmma needs the arch-specific Hopper target (sm_90a)
+        major, minor = torch.cuda.get_device_capability(t.device)
+        return f"cuda:sm_{major}{minor}" + ("a" if major == 9 else "")
+    raise ValueError(f"indexer kernels: no build for device {t.device}")
+
+
+def _bits(t: torch.Tensor, target: str) -> torch.Tensor:
+    """bf16 as its uint16 bits for the C build (zero-copy view); as is for CUDA."""
+    return t.view(torch.uint16) if target == "c" and t.dtype == torch.bfloat16 else t
+
+
+def _rows_view(t: torch.Tensor) -> torch.Tensor:
+    """A cache buffer [B, rows, c] whose batch slice may be strided: contiguous in its last two dims
+    is all the kernels need, but the kernel ABI wants a dense tensor, so copy otherwise."""
+    return t if t.is_contiguous() else t.contiguous()
+
+
+# ------------------------------------------------------------------------------------- torch.library ops
+
+def _check_scores(q, codes, scales, w, visible_len, cand_blocks, n):
+    if q.dim() != 4 or q.dtype != torch.bfloat16:
+        raise ValueError(f"index_scores: q must be [B,S,H,d] bf16, got {q.dtype} {tuple(q.shape)}")
+    b, s, h, d = q.shape
+    if d % 32:
+        raise ValueError(f"index_scores: head dim d must be a multiple of 32, got {d}")
+    want = {"codes": ((b, None, d // 2), torch.uint8, codes), "scales": ((b, None, d // 32), torch.uint8, scales),
+            "w": ((b, s, h), torch.bfloat16, w)}
+    if visible_len is not None:
+        want["visible_len"] = ((s,), torch.int32, visible_len)
+    nb = -(-n // BLOCK)
+    if cand_blocks is not None:
+        want["cand_blocks"] = ((b, s, nb), torch.bool, cand_blocks)
+    for name, (shape, dtype, t) in want.items():
+        ok = t.dim() == len(shape) and all(x is None or x == y for x, y in zip(shape, t.shape, strict=False))
+        if not ok or t.dtype != dtype or t.device != q.device:
+            raise ValueError(f"index_scores: {name} must be {dtype} {tuple('*' if x is None else x for x in shape)} "
+                             f"on {q.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+    if not 0 <= n <= min(codes.shape[1], scales.shape[1]):
+        raise ValueError(f"index_scores: n={n} keys, but the cache holds {codes.shape[1]} / {scales.shape[1]} rows")
+    return b, s, h, d, nb
+
+
+def _scores_fake(q, codes, scales, w, visible_len, cand_blocks, n, block_max):
+    b, s = q.shape[:2]
+    return q.new_empty((b, s, n)), q.new_empty((b, s, -(-n // BLOCK) if block_max else 0))
+
+
+def _scores_impl(q, codes, scales, w, visible_len, cand_blocks, n, block_max):
+    b, s, h, d, nb = _check_scores(q, codes, scales, w, visible_len, cand_blocks, n)
+    sc, bm = _scores_fake(q, codes, scales, w, visible_len, cand_blocks, n, block_max)
+    if sc.numel() == 0:
+        return sc, bm
+    target = _target(q)
+    kernel = build("scores", (h, d, visible_len is not None, cand_blocks is not None, block_max), target)
+    args = [_bits(q.contiguous(), target), _rows_view(codes), _rows_view(scales), _bits(w.contiguous(), target)]
+    if visible_len is not None:
+        args.append(visible_len.contiguous())
+    elif target == "c":
+        args.append(torch.zeros(1, dtype=torch.int32, device=q.device))
+    if cand_blocks is not None:
+        args.append(cand_blocks.contiguous().view(torch.uint8))
+    elif target == "c":
+        args.append(torch.zeros(1, dtype=torch.uint8, device=q.device))
+    args.append(_bits(sc, target))
+    if block_max:
+        args.append(_bits(bm, target))
+    elif target == "c":
+        args.append(torch.zeros(1, dtype=torch.uint16, device=q.device))
+    kernel(*args)
+    return sc, bm
+
+
+def _check_select(op, scores, visible_len):
+    if scores.dim() != 3 or scores.dtype != torch.bfloat16:
+        raise ValueError(f"{op}: scores must be [B,S,n] bf16, got {scores.dtype} {tuple(scores.shape)}")
+    if visible_len.shape != (scores.shape[1],) or visible_len.dtype != torch.int32 or visible_len.device != scores.device:
+        raise ValueError(f"{op}: visible_len must be int32 [{scores.shape[1]}] on {scores.device}, "
+                         f"got {visible_len.dtype} {tuple(visible_len.shape)} on {visible_len.device}")
+
+
+def _topk_fake(scores, visible_len, k, offset):
+    return scores.new_empty((*scores.shape[:2], k), dtype=torch.int32)
+
+
+def _topk_impl(scores, visible_len, k, offset):
+    _check_select("index_topk", scores, visible_len)
+    if not 0 <= k <= scores.shape[-1]:
+        raise ValueError(f"index_topk: k={k} must be in 0..{scores.shape[-1]} (the number of scores)")
+    out = _topk_fake(scores, visible_len, k, offset)
+    if out.numel():
+        target = _target(scores)
+        args = torch.tensor([k, offset], dtype=torch.int32, device=scores.device)
+        build("select", ("topk",), target)(_bits(scores.contiguous(), target), visible_len.contiguous(), args, out)
+    return out
+
+
+def _blocks_fake(block_max, visible_len, topk_blocks):
+    return block_max.new_empty(block_max.shape, dtype=torch.bool)
+
+
+def _blocks_impl(block_max, visible_len, topk_blocks):
+    _check_select("candidate_blocks", block_max, visible_len)
+    if topk_blocks < 0:
+        raise ValueError(f"candidate_blocks: topk_blocks must be >= 0, got {topk_blocks}")
+    out = _blocks_fake(block_max, visible_len, topk_blocks)
+    if out.numel():
+        target = _target(block_max)
+        args = torch.tensor([min(topk_blocks, block_max.shape[-1]), 0], dtype=torch.int32, device=block_max.device)
+        build("select", ("blocks",), target)(_bits(block_max.contiguous(), target), visible_len.contiguous(), args,
+                                              out.view(torch.uint8))
+    return out
+
+
+_OPS = {}
+for _name, _impl, _fake, _schema in (
+        ("index_scores", _scores_impl, _scores_fake,
+         "(Tensor q, Tensor codes, Tensor scales, Tensor w, Tensor? visible_len, Tensor? cand_blocks, *, "
+         "SymInt n, bool block_max) -> (Tensor, Tensor)"),
+        ("index_topk", _topk_impl, _topk_fake,
+         "(Tensor scores, Tensor visible_len, *, SymInt k, SymInt offset) -> Tensor"),
+        ("candidate_blocks", _blocks_impl, _blocks_fake,
+         "(Tensor block_max, Tensor visible_len, *, SymInt topk_blocks) -> Tensor")):
+    _OPS[_name] = torch.library.custom_op(f"dsv41c::{_name}", mutates_args=(), schema=_schema)(_impl)
+    _OPS[_name].register_fake(_fake)
+
+
+def index_scores(q, codes, scales, w, visible_len=None, cand_blocks=None, *, n=None, block_max=False):
+    """Scores [B,S,n] bf16 and block max [B,S,nb] (or [B,S,0]); = index_scores_ref."""
+    return torch.ops.dsv41c.index_scores(q, codes, scales, w, visible_len, cand_blocks,
+                                         n=codes.shape[1] if n is None else n, block_max=block_max)
+
+
+def index_topk(scores, visible_len, *, k, offset):
+    """Top-k indices int32 [B,S,k], ascending, -1 past visible_len, + offset; = index_topk_ref."""
+    return torch.ops.dsv41c.index_topk(scores, visible_len, k=k, offset=offset)
+
+
+def candidate_blocks(block_max, visible_len, *, topk_blocks):
+    """Funnel keep flags bool [B,S,nb] from the block maxima; = candidate_blocks_ref."""
+    return torch.ops.dsv41c.candidate_blocks(block_max, visible_len, topk_blocks=topk_blocks)
+
+
+def _cuda_scores_prim_func(H, d, visible, cand, bmax):
+    raise NotImplementedError
+
+
+def _cuda_select_prim_func(mode):
+    raise NotImplementedError
