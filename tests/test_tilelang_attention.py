@@ -1,0 +1,232 @@
+"""Sparse attention kernels (tilelang_kernels/attention.py) against the torch references.
+
+CPU tests run the C-target builds (one build per variant and process); `gpu` tests run the CUDA
+build on an H200-class device and compare with the references computed on the same device.  Inputs
+are fresh random every run (the seed is in each failure message): random lists with -1 entries,
+duplicates, an all -1 query, a list width that is not a multiple of 64, and packed rows made by the
+quantisers.
+
+Bounds.  Kernel and reference compute the same formula; they differ in the summation order of the
+fp32 dot products and sums and in expf vs torch's exp (a few fp32 ulps).  fp32: the sums over K
+entries and d products then agree to (K + d |l|max) * 2^-24 relative to the values' scale (x4).
+bf16: such a difference can move the bf16 rounding of one probability by one ulp (2^-8 of p, so
+at most 2^-8 max|v| over the whole sum) and the bf16 rounding of o by one ulp (2^-8 |o|).
+"""
+
+import secrets
+
+import pytest
+import torch
+
+from dsv41c import quant as Q
+from dsv41c.tilelang_kernels import attention as A
+
+DTYPES = (torch.float32, torch.bfloat16)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def fresh_seed() -> int:
+    return secrets.randbits(31)
+
+
+def make_idx(b, s, k, n_rows, g, device="cpu"):
+    """Random lists over n_rows with about 1/5 masked entries, and query (0, 0) all -1."""
+    idx = torch.randint(0, n_rows, (b, s, k), generator=g)
+    idx = torch.where(torch.rand(b, s, k, generator=g) < 0.2, -1, idx).int()
+    idx[0, 0] = -1
+    return idx.to(device)
+
+
+def bound(ref: torch.Tensor, values: torch.Tensor, q, k: int, scale: float) -> torch.Tensor:
+    """Allowed |kernel - ref| per element (module docstring)."""
+    vmax = values.float().abs().max()
+    if ref.dtype == torch.float32:
+        lmax = q.float().abs().max() * vmax * q.shape[-1] * scale
+        return torch.full_like(ref, float(4 * (k + q.shape[-1] * lmax) * 2.0**-24 * vmax))
+    return 2.0**-8 * (ref.float().abs() + vmax)
+
+
+def check(out, ref, values, q, k, scale, seed, empty_first=True):
+    assert out.dtype == ref.dtype and out.shape == ref.shape, seed
+    assert not out.isnan().any(), f"NaN in the kernel output, seed {seed}"
+    err = (out.float() - ref.float()).abs()
+    tol = bound(ref, values, q, k, scale)
+    assert (err <= tol).all(), (f"seed {seed}: max err {err.max().item():.3g}, "
+                                f"{int((err > tol).sum())} elements over the bound")
+    if empty_first:
+        assert (out[0, 0] == 0).all(), f"seed {seed}: a query with no valid entry must return 0"
+
+
+def packed_inputs(b, s, h, d, n_w, n_c, k, dtype, fp8, g, device="cpu"):
+    q = torch.randn(b, s, h, d, generator=g).to(dtype)
+    window = torch.randn(b, n_w, d, generator=g) * 2
+    scales = None
+    if fp8:
+        window, scales = Q.fp8_quant_ref(window)
+    else:
+        window = window.to(dtype)
+    codes, cscales = Q.fp4_e4m3_quant_ref(torch.randn(b, n_c, d, generator=g))
+    sink = torch.randn(h, generator=g)
+    idx = make_idx(b, s, k, n_w + n_c, g)
+    return tuple(None if t is None else t.to(device) for t in (q, window, scales, codes, cscales, sink, idx))
+
+
+def decoded_rows(window, scales, codes, cscales, dtype):
+    rows = window if scales is None else Q.fp8_dequant_ref(window, scales, dtype)
+    return torch.cat([rows.to(dtype), Q.fp4_e4m3_dequant_ref(codes, cscales, dtype)], dim=1)
+
+
+# ------------------------------------------------------------------------------------- CPU
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sparse_attn_cpu(dtype):
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    b, s, h, d, n, k = 2, 3, 4, 64, 150, 140
+    q = torch.randn(b, s, h, d, generator=g).to(dtype)
+    kv = (torch.randn(b, n, d, generator=g) * 2).to(dtype)
+    sink = torch.randn(h, generator=g)
+    idx = make_idx(b, s, k, n, g)
+    scale = d**-0.5
+    out = A.sparse_attn(q, kv, sink, idx, scale)
+    check(out, A.sparse_attn_ref(q, kv, sink, idx, scale), kv, q, k, scale, seed)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["rows", "fp8"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sparse_attn_packed_cpu(dtype, fp8):
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    b, s, h, d, n_w, n_c, k = 2, 3, 4, 128, 20, 100, 130
+    args = packed_inputs(b, s, h, d, n_w, n_c, k, dtype, fp8, g)
+    scale = d**-0.5
+    out = A.sparse_attn_packed(*args, scale)
+    ref = A.sparse_attn_packed_ref(*args, scale)
+    check(out, ref, decoded_rows(*args[1:5], dtype), args[0], k, scale, seed)
+    # no compressed rows yet: the list addresses the window only
+    q, window, scales, codes, cscales, sink, idx = args
+    idx_w = torch.where(idx < n_w, idx, -1)
+    out = A.sparse_attn_packed(q, window, scales, codes[:, :0], cscales[:, :0], sink, idx_w, scale)
+    ref = A.sparse_attn_packed_ref(q, window, scales, codes[:, :0], cscales[:, :0], sink, idx_w, scale)
+    check(out, ref, decoded_rows(window, scales, codes[:, :0], cscales[:, :0], dtype), q, k, scale, seed)
+
+
+def test_empty_list_and_out_of_range():
+    g = torch.Generator().manual_seed(fresh_seed())
+    q = torch.randn(1, 2, 4, 64, generator=g)
+    kv = torch.randn(1, 10, 64, generator=g)
+    sink = torch.randn(4, generator=g)
+    assert (A.sparse_attn(q, kv, sink, torch.zeros(1, 2, 0, dtype=torch.int32), 0.125) == 0).all()
+    idx = torch.tensor([[[3, 12, -1], [5, 6, 10]]], dtype=torch.int32)  # 10 and 12 are past the rows
+    out = A.sparse_attn(q, kv, sink, idx, 0.125)
+    ref = A.sparse_attn_ref(q, kv, sink, torch.where(idx < 10, idx, -1), 0.125)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_bad_arguments():
+    q = torch.randn(1, 2, 4, 64)
+    kv = torch.randn(1, 10, 64)
+    sink = torch.randn(4)
+    idx = torch.zeros(1, 2, 3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="kv"):
+        A.sparse_attn(q, kv.bfloat16(), sink, idx, 0.125)
+    with pytest.raises(ValueError, match="idx"):
+        A.sparse_attn(q, kv, sink, idx.long(), 0.125)
+    with pytest.raises(ValueError, match="comp_scales"):
+        A.sparse_attn_packed(q, kv, None, torch.zeros(1, 5, 32, dtype=torch.uint8),
+                             torch.zeros(1, 5, 3, dtype=torch.uint8), sink, idx, 0.125)
+
+
+def test_opcheck():
+    g = torch.Generator().manual_seed(fresh_seed())
+    b, s, h, d, n_w, n_c, k = 1, 2, 4, 128, 20, 100, 70
+    for fp8 in (False, True):
+        args = packed_inputs(b, s, h, d, n_w, n_c, k, torch.bfloat16, fp8, g)
+        torch.library.opcheck(torch.ops.dsv41c.sparse_attn_packed.default, (*args, d**-0.5))
+    q = torch.randn(2, 3, 4, 64, generator=g)
+    kv = torch.randn(2, 150, 64, generator=g)
+    torch.library.opcheck(torch.ops.dsv41c.sparse_attn.default,
+                          (q, kv, torch.randn(4, generator=g), make_idx(2, 3, 140, 150, g), 0.125))
+
+
+def test_compiles_fullgraph():
+    g = torch.Generator().manual_seed(fresh_seed())
+    q = torch.randn(2, 3, 4, 64, generator=g)
+    kv = torch.randn(2, 150, 64, generator=g)
+    sink, idx = torch.randn(4, generator=g), make_idx(2, 3, 140, 150, g)
+    fn = torch.compile(lambda *a: A.sparse_attn(*a, 0.125), fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(fn(q, kv, sink, idx), A.sparse_attn(q, kv, sink, idx, 0.125), rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------- GPU
+
+def decode_inputs(b, h, d, n_c, g, window=128, topk=512):
+    """One decode query per sequence over an FP8 ring of `window` slots and n_c FP4 compressed rows:
+    the ring list oldest first with the unfilled slots -1 for sequence 0, then topk ascending
+    compressed entries (offset by the window) with a few -1 (spec §6.3, §6.5)."""
+    q, ring, ring_scales, codes, cscales, sink, _ = packed_inputs(b, 1, h, d, window, n_c, 1, torch.bfloat16,
+                                                                  True, g)
+    slots = torch.arange(window).repeat(b, 1)
+    slots[0, window // 2:] = -1
+    top = torch.rand(b, n_c, generator=g).topk(topk, dim=-1).indices.sort(dim=-1).values + window
+    top = torch.where(torch.rand(b, topk, generator=g) < 0.05, -1, top)
+    idx = torch.cat([slots, top], dim=-1).int().unsqueeze(1)
+    return tuple(t.cuda() for t in (q, ring, ring_scales, codes, cscales, sink, idx))
+
+
+@pytest.mark.parametrize("batch", [1, 32])
+@pytest.mark.gpu
+@needs_cuda
+def test_sparse_attn_packed_released_dims_gpu(batch):
+    """Decode at the released dims: H=64, d=512, K = 128 window + 512 top-k."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    h, d = 64, 512
+    args = decode_inputs(batch, h, d, 4096, g)
+    scale = d**-0.5
+    out = A.sparse_attn_packed(*args, scale)
+    ref = A.sparse_attn_packed_ref(*args, scale)
+    check(out, ref, decoded_rows(*args[1:5], torch.bfloat16), args[0], 640, scale, seed, empty_first=False)
+    rows = decoded_rows(*args[1:5], torch.bfloat16)
+    plain = A.sparse_attn(args[0], rows, args[5], args[6], scale)
+    assert torch.equal(plain, out), f"seed {seed}: the plain and packed kernels read the same rows"
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_sparse_attn_packed_prefill_gpu():
+    """A prefill chunk: fresh bf16 window rows and FP4 compressed rows, many queries, H=64, d=512."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    b, s, h, d, n_w, n_c, k = 2, 96, 64, 512, 96, 300, 200
+    args = tuple(t.cuda() for t in packed_inputs(b, s, h, d, n_w, n_c, k, torch.bfloat16, False, g))
+    scale = d**-0.5
+    out = A.sparse_attn_packed(*args, scale)
+    check(out, A.sparse_attn_packed_ref(*args, scale), decoded_rows(*args[1:5], torch.bfloat16), args[0], k,
+          scale, seed)
+
+
+@pytest.mark.parametrize("h,d", [(4, 128), (72, 64)])
+@pytest.mark.gpu
+@needs_cuda
+def test_sparse_attn_small_heads_gpu(h, d):
+    """Head counts that are not a multiple of the CTA's 64 heads (padded GEMM rows)."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    b, s, n, k = 2, 5, 150, 140
+    q = torch.randn(b, s, h, d, generator=g).bfloat16().cuda()
+    kv = (torch.randn(b, n, d, generator=g) * 2).bfloat16().cuda()
+    sink, idx = torch.randn(h, generator=g).cuda(), make_idx(b, s, k, n, g, "cuda")
+    scale = d**-0.5
+    out = A.sparse_attn(q, kv, sink, idx, scale)
+    check(out, A.sparse_attn_ref(q, kv, sink, idx, scale), kv, q, k, scale, seed)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_opcheck_gpu():
+    g = torch.Generator().manual_seed(fresh_seed())
+    args = decode_inputs(2, 64, 512, 1024, g)
+    torch.library.opcheck(torch.ops.dsv41c.sparse_attn_packed.default, (*args, 512**-0.5))
+    with pytest.raises(ValueError, match="bf16"):
+        A.sparse_attn(args[0].float(), torch.randn(2, 10, 512, device="cuda"), args[5], args[6], 0.125)
