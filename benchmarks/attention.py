@@ -1,0 +1,129 @@
+"""Sparse attention at decode on the GPU: the TileLang kernel that reads the packed caches against
+eager torch, `torch.compile` of the eager reference, and the bytes-moved bound.
+
+    python3 benchmarks/attention.py [--batch 1 32] [--context 8192 65536 262144] [--json OUT.json]
+
+One decode step per sequence (S = 1) at the released attention dims: H = 64 heads x d = 512,
+an FP8 ring of 128 window rows and n_c = context / ratio FP4 compressed rows (ratio 2, the
+released kv sources), of which the index list names the top-k = 512 (ascending, as the indexer
+emits them), after the 128 ring slots: K = 640 entries.
+
+Variants, each timed with CUDA events (median of batches of back-to-back calls):
+  tilelang       `sparse_attn_packed`: gathers the listed rows from the packed bytes
+  eager          `sparse_attn_packed_ref` in eager torch: what the eager model does with packed
+                 storage (dequantise the window and all n_c compressed rows, concatenate, gather)
+  eager rows     `sparse_attn_ref` over rows already in bf16 (a plain bf16 cache; no dequantise)
+  compile        `torch.compile` of `sparse_attn_packed_ref`
+Bytes any implementation must move: per sequence the listed rows in their packed form (528 B per
+window row, 288 B per compressed row), q and o (H x d bf16 each), the index list (4 B per entry).
+"% bound" = (bytes / copy bandwidth) / time, where the copy bandwidth is a 4 GiB device-to-device
+copy (read + write) measured in the same run.  Each call uses the next of `--lists` different
+random index lists, so at long contexts the rows come from HBM rather than from the previous
+call's L2 lines (at 8K context the whole compressed cache, 1.2 MB per sequence, fits in L2).
+"""
+
+import argparse
+import itertools
+import json
+
+import torch
+from dsv41c import quant as Q
+from dsv41c.tilelang_kernels import attention as A
+from quant import (  # benchmarks/ is the script's path: the codec benchmark's timing
+    bench,
+    copy_bandwidth,
+)
+
+H, D, WINDOW, TOPK = 64, 512, 128, 512
+
+
+def decode_case(batch, n_c, lists, g):
+    """Packed caches, q, sink and `lists` index lists [B,1,WINDOW+TOPK] (every entry valid)."""
+    q = torch.randn(batch, 1, H, D, generator=g, device="cuda").bfloat16()
+    ring, ring_scales = Q.fp8_quant_ref(torch.randn(batch, WINDOW, D, generator=g, device="cuda"))
+    codes, scales = Q.fp4_e4m3_quant_ref(torch.randn(batch, n_c, D, generator=g, device="cuda"))
+    sink = torch.randn(H, generator=g, device="cuda")
+    slots = torch.arange(WINDOW, device="cuda").repeat(batch, 1)
+    idx = []
+    for _ in range(lists):
+        top = torch.rand(batch, n_c, generator=g, device="cuda").topk(TOPK, dim=-1).indices
+        idx.append(torch.cat([slots, top.sort(dim=-1).values + WINDOW], dim=-1).int().unsqueeze(1))
+    return q, ring, ring_scales, codes, scales, sink, idx
+
+
+def min_bytes(batch):
+    per_seq = WINDOW * (D + D // 32) + TOPK * (D // 2 + D // 16) + 2 * (H * D * 2) + 4 * (WINDOW + TOPK)
+    return batch * per_seq + 4 * H
+
+
+def rotating(fn, first_args, lists, last_args):
+    """A callable that runs fn with the next index list on each call."""
+    it = itertools.cycle(lists)
+    return lambda: fn(*first_args, next(it), *last_args)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--context", type=int, nargs="+", default=[8192, 65536, 262144])
+    ap.add_argument("--ratio", type=int, default=2, help="compression ratio of the kv source")
+    ap.add_argument("--lists", type=int, default=8, help="index lists cycled through by the timed calls")
+    ap.add_argument("--no-compile", action="store_true", help="skip torch.compile of the reference")
+    ap.add_argument("--no-eager", action="store_true", help="skip the eager references")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    copy_gbs = copy_bandwidth()
+    scale = D**-0.5
+    compiled = None if a.no_compile else torch.compile(A.sparse_attn_packed_ref, dynamic=False)
+    rows = []
+    for batch in a.batch:
+        for context in a.context:
+            n_c = context // a.ratio
+            q, ring, ring_scales, codes, scales, sink, idx = decode_case(batch, n_c, a.lists, g)
+            head, tail = (q, ring, ring_scales, codes, scales, sink), (scale,)
+            out = A.sparse_attn_packed(*head, idx[0], scale)
+            ref = A.sparse_attn_packed_ref(*head, idx[0], scale)
+            err = (out.float() - ref.float()).abs().max().item()
+            t_k = bench(rotating(A.sparse_attn_packed, head, idx, tail))
+            t_e = t_r = t_c = float("nan")
+            if not a.no_eager:
+                t_e = bench(rotating(A.sparse_attn_packed_ref, head, idx, tail), reps=10)
+                kv = torch.cat([Q.fp8_dequant_ref(ring, ring_scales, torch.bfloat16),
+                                Q.fp4_e4m3_dequant_ref(codes, scales, torch.bfloat16)], dim=1)
+                t_r = bench(rotating(A.sparse_attn_ref, (q, kv, sink), idx, tail), reps=10)
+                del kv
+            if compiled is not None:
+                try:
+                    t_c = bench(rotating(compiled, head, idx, tail), reps=10)
+                except Exception as e:  # noqa: BLE001  (report, do not hide: Inductor may reject the ref)
+                    print(f"torch.compile failed at batch {batch}, context {context}: {type(e).__name__}: "
+                          f"{str(e)[:200]}")
+            nbytes = min_bytes(batch)
+            bound_ms = nbytes / (copy_gbs * 1e9) * 1e3
+            rows.append({"batch": batch, "context": context, "compressed_rows": n_c, "bytes": nbytes,
+                         "tilelang_ms": t_k, "eager_ms": t_e, "eager_rows_ms": t_r, "compile_ms": t_c,
+                         "bound_ms": bound_ms, "pct_bound": 100 * bound_ms / t_k, "vs_eager": t_e / t_k,
+                         "vs_eager_rows": t_r / t_k, "vs_compile": t_c / t_k,
+                         "compile_pct_bound": 100 * bound_ms / t_c, "max_abs_vs_ref": err})
+            del q, ring, ring_scales, codes, scales, idx
+            torch.cuda.empty_cache()
+    print(f"\ndevice: {torch.cuda.get_device_name()}, copy bandwidth {copy_gbs:.0f} GB/s (4 GiB device-to-device, "
+          f"read + write); H={H}, d={D}, window {WINDOW}, top-k {TOPK}, ratio {a.ratio}\n")
+    print("| batch | context | MB moved | bound us | TileLang us | % bound | eager us | x eager | eager rows us "
+          "| x eager rows | compile us | compile % bound | x compile | max abs vs ref |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['batch']} | {r['context'] // 1024}K | {r['bytes'] / 1e6:.2f} | {r['bound_ms'] * 1e3:.1f} | "
+              f"{r['tilelang_ms'] * 1e3:.1f} | {r['pct_bound']:.0f}% | {r['eager_ms'] * 1e3:.0f} | "
+              f"{r['vs_eager']:.1f} | {r['eager_rows_ms'] * 1e3:.0f} | {r['vs_eager_rows']:.1f} | "
+              f"{r['compile_ms'] * 1e3:.0f} | {r['compile_pct_bound']:.0f}% | {r['vs_compile']:.1f} | "
+              f"{r['max_abs_vs_ref']:.1e} |")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump({"copy_gb_s": copy_gbs, "device": torch.cuda.get_device_name(), "heads": H, "head_dim": D,
+                       "window": WINDOW, "topk": TOPK, "ratio": a.ratio, "rows": rows}, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()
