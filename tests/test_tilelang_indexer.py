@@ -7,6 +7,7 @@ with only non-positive ones score exactly 0, and duplicated key rows score ident
 """
 
 import secrets
+import shutil
 
 import pytest
 import torch
@@ -206,7 +207,7 @@ def test_bad_inputs_raise():
 
 def opcheck_all(device):
     b, s, n = 2, 5, 21
-    q, codes, scales, w = make_inputs(b, s, 2, 32, n, fresh_seed(), device=device)
+    q, codes, scales, w = make_inputs(b, s, 8, 32, n, fresh_seed(), device=device)  # CUDA: H % 8 == 0
     vl = prefill_visible(s, 1, device) + 16
     cand = torch.rand(b, s, 3, device=device) < 0.5
     torch.library.opcheck(torch.ops.dsv41c.index_scores, (q, codes, scales, w, vl, cand),
@@ -220,3 +221,112 @@ def opcheck_all(device):
 
 def test_opcheck_cpu():
     opcheck_all("cpu")
+
+
+# ----------------------------------------------------------------------------------- CUDA
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (no GPU needed)")
+def test_cuda_builds_compile_for_sm90a():
+    """Without a GPU: the sm_90a builds compile; the scoring reads the packed keys with 16-byte
+    loads and runs wgmma, the block max shuffles among lanes, the select scans with shfl_up."""
+    src = K.build("scores", (32, 128, True, True, True), "cuda:sm_90a").get_kernel_source()
+    assert "wgmma" in src and "__shfl_xor_sync" in src and "*(uint4*)(CODES" in src
+    src = K.build("select", ("topk",), "cuda:sm_90a").get_kernel_source()
+    assert "AtomicAdd" in src and "__shfl_up_sync" in src
+
+
+def ulp_close(got, ref, seed):
+    """Same -inf pattern; finite scores within one bf16 rounding step of the largest, and
+    nearly all bit-equal (the tensor cores and torch sum in other orders)."""
+    inf = ref == float("-inf")
+    assert torch.equal(got == float("-inf"), inf), f"seed={seed}: -inf pattern"
+    g, r = got.float()[~inf], ref.float()[~inf]
+    assert not g.isnan().any(), f"seed={seed}: NaN"
+    if r.numel():
+        err = ((g - r).abs().max() / r.abs().max().clamp_min(1e-30)).item()
+        assert err <= 2 ** -8, f"seed={seed}: {err}"
+        assert (g == r).float().mean() >= 0.99, f"seed={seed}: {(g == r).float().mean()}"
+
+
+def block_max_of(sc):
+    n = sc.shape[-1]
+    nb = -(-n // K.BLOCK)
+    pad = torch.nn.functional.pad(sc.float(), (0, nb * K.BLOCK - n), value=float("-inf"))
+    return pad.unflatten(-1, (nb, K.BLOCK)).amax(dim=-1).to(sc.dtype)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("with_cand", (False, True), ids=["all", "cand"])
+@pytest.mark.parametrize("b", (1, 4))
+def test_cuda_scores_released_dims_decode(b, with_cand):
+    """32 heads x 128, 8K keys in a larger cache, one query per sequence."""
+    seed, n = fresh_seed(), 8192
+    q, codes, scales, w = make_inputs(b, 1, 32, 128, n, seed, rows=n + 100, device="cuda")
+    cand = torch.rand(b, 1, n // 8, device="cuda") < 0.25 if with_cand else None
+    sc, bm = K.index_scores(q, codes, scales, w, None, cand, n=n, block_max=True)
+    ref, _ = K.index_scores_ref(*(t.cpu() for t in (q, codes, scales, w)), None,
+                                None if cand is None else cand.cpu(), n=n)
+    ulp_close(sc.cpu(), ref, seed)
+    assert same(bm, block_max_of(sc)), f"seed={seed}"
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("fq", (True, False), ids=["mxfp4_q", "bf16_q"])
+def test_cuda_scores_prefill(fq):
+    seed, b, s = fresh_seed(), 2, 300
+    q, codes, scales, w = make_inputs(b, s, 32, 128, s, seed, fq=fq, device="cuda")
+    vl = prefill_visible(s, 1, "cuda")
+    cand = torch.rand(b, s, -(-s // 8), device="cuda") < 0.5
+    for c in (None, cand):
+        sc, bm = K.index_scores(q, codes, scales, w, vl, c, n=s, block_max=True)
+        ref, _ = K.index_scores_ref(*(t.cpu() for t in (q, codes, scales, w, vl)), None if c is None else c.cpu(), n=s)
+        ulp_close(sc.cpu(), ref, seed)
+        assert same(bm, block_max_of(sc)), f"seed={seed}"
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("n,k", ((8192, 512), (3000, 3000), (70000, 512), (100, 1)))
+def test_cuda_topk_bit_exact(n, k):
+    seed, s = fresh_seed(), 5
+    vl = torch.tensor([n, n - 3, n // 2, 1, 0], dtype=torch.int32)
+    for masked in (0.0, 0.95):
+        sc = random_scores(4, s, n, seed, vl, masked)
+        got = K.index_topk(sc.cuda(), vl.cuda(), k=k, offset=128)
+        assert same(got.cpu(), K.index_topk_ref(sc, vl, k=k, offset=128)), f"seed={seed} masked={masked}"
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_decode_chain_released_dims():
+    """Scores -> funnel -> masked scores -> top-k 512 at 8K keys, batch 4: the selections are
+    exact functions of the kernel's own scores."""
+    seed, b, n = fresh_seed(), 4, 8192
+    q, codes, scales, w = make_inputs(b, 1, 32, 128, n, seed, device="cuda")
+    vl = torch.tensor([n], dtype=torch.int32, device="cuda")
+    sc, bm = K.index_scores(q, codes, scales, w, None, None, n=n, block_max=True)
+    keep = K.candidate_blocks(bm, vl, topk_blocks=256)
+    assert same(keep.cpu(), K.candidate_blocks_ref(bm.cpu(), vl.cpu(), topk_blocks=256)), f"seed={seed}"
+    sc2, _ = K.index_scores(q, codes, scales, w, None, keep, n=n)
+    assert same(sc2, sc.masked_fill(~K.expand_blocks(keep, n), float("-inf"))), f"seed={seed}"
+    got = K.index_topk(sc2, vl, k=512, offset=128)
+    assert same(got.cpu(), K.index_topk_ref(sc2.cpu(), vl.cpu(), k=512, offset=128)), f"seed={seed}"
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("nb,kb", ((1024, 2048), (32768, 2048), (5000, 7)))
+def test_cuda_funnel_bit_exact(nb, kb):
+    seed, s = fresh_seed(), 3
+    vl = torch.tensor([nb * 8, nb * 8 - 9, 1], dtype=torch.int32)
+    bm = random_scores(2, s, nb, seed, None, 0.3)
+    got = K.candidate_blocks(bm.cuda(), vl.cuda(), topk_blocks=kb)
+    assert same(got.cpu(), K.candidate_blocks_ref(bm, vl, topk_blocks=kb)), f"seed={seed}"
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_opcheck():
+    opcheck_all("cuda")

@@ -310,6 +310,11 @@ def _bits(t: torch.Tensor, target: str) -> torch.Tensor:
     return t.view(torch.uint16) if target == "c" and t.dtype == torch.bfloat16 else t
 
 
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """The CUDA build reads q and the codes with 16-byte loads: copy a misaligned view."""
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
 def _rows_view(t: torch.Tensor) -> torch.Tensor:
     """A cache buffer [B, rows, c] whose batch slice may be strided: contiguous in its last two dims
     is all the kernels need, but the kernel ABI wants a dense tensor, so copy otherwise."""
@@ -353,20 +358,16 @@ def _scores_impl(q, codes, scales, w, visible_len, cand_blocks, n, block_max):
         return sc, bm
     target = _target(q)
     kernel = build("scores", (h, d, visible_len is not None, cand_blocks is not None, block_max), target)
-    args = [_bits(q.contiguous(), target), _rows_view(codes), _rows_view(scales), _bits(w.contiguous(), target)]
-    if visible_len is not None:
-        args.append(visible_len.contiguous())
-    elif target == "c":
-        args.append(torch.zeros(1, dtype=torch.int32, device=q.device))
-    if cand_blocks is not None:
-        args.append(cand_blocks.contiguous().view(torch.uint8))
-    elif target == "c":
-        args.append(torch.zeros(1, dtype=torch.uint8, device=q.device))
+    args = [_bits(_aligned(q.contiguous()), target), _aligned(_rows_view(codes)), _rows_view(scales),
+            _bits(w.contiguous(), target)]
+    # an unused optional buffer is declared [1] by the build
+    args.append(visible_len.contiguous() if visible_len is not None else q.new_zeros(1, dtype=torch.int32))
+    args.append(cand_blocks.contiguous().view(torch.uint8) if cand_blocks is not None
+                else q.new_zeros(1, dtype=torch.uint8))
     args.append(_bits(sc, target))
-    if block_max:
-        args.append(_bits(bm, target))
-    elif target == "c":
-        args.append(torch.zeros(1, dtype=torch.uint16, device=q.device))
+    args.append(_bits(bm, target) if block_max else _bits(q.new_zeros(1), target))
+    if target != "c":
+        args.append(cuda_tiles_per_cta(n, b * s))
     kernel(*args)
     return sc, bm
 
@@ -391,7 +392,7 @@ def _topk_impl(scores, visible_len, k, offset):
     if out.numel():
         target = _target(scores)
         args = torch.tensor([k, offset], dtype=torch.int32, device=scores.device)
-        build("select", ("topk",), target)(_bits(scores.contiguous(), target), visible_len.contiguous(), args, out)
+        build("select", ("topk",), target)(scores.contiguous().view(torch.uint16), visible_len.contiguous(), args, out)
     return out
 
 
@@ -407,7 +408,7 @@ def _blocks_impl(block_max, visible_len, topk_blocks):
     if out.numel():
         target = _target(block_max)
         args = torch.tensor([min(topk_blocks, block_max.shape[-1]), 0], dtype=torch.int32, device=block_max.device)
-        build("select", ("blocks",), target)(_bits(block_max.contiguous(), target), visible_len.contiguous(), args,
+        build("select", ("blocks",), target)(block_max.contiguous().view(torch.uint16), visible_len.contiguous(), args,
                                               out.view(torch.uint8))
     return out
 
@@ -441,9 +442,231 @@ def candidate_blocks(block_max, visible_len, *, topk_blocks):
     return torch.ops.dsv41c.candidate_blocks(block_max, visible_len, topk_blocks=topk_blocks)
 
 
+# ------------------------------------------------------------------------------------- CUDA builds
+
+_BN = 128  # CUDA scoring: keys per tile (the wgmma M), one thread per key
+_THREADS = 128  # one warpgroup
+
+
+def cuda_tiles_per_cta(n: int, rows: int, slots: int = 3 * 132) -> int:
+    """Key tiles each scoring CTA walks: enough CTAs to fill `slots` (3 per SM on an H200), and
+    longer walks (the query tile loaded once per CTA) when the tiles are plentiful."""
+    tiles = -(-n // _BN)
+    return max(1, min(8, tiles * rows // slots))
+
+
 def _cuda_scores_prim_func(H, d, visible, cand, bmax):
-    raise NotImplementedError
+    """Scores on the tensor cores; grid (key ranges, S, B), 128 threads (one warpgroup).
+
+    A CTA loads its query's H x d bf16 and H weights once, then walks `tpc` tiles of 128 keys.
+    Per tile each thread owns one key: it reads the key's 64 + 4 bytes with 16-byte loads and
+    writes the *unscaled* E2M1 values as bf16 (a 16-entry table in shared memory) into one
+    shared [128, 32] tile per scale block.  Per scale block one GEMM [128 keys x 32] x [32 x H]
+    (wgmma, fp32) runs from zero and its result is added, times the key's UE8M0 scale (exact,
+    a power of two), to the dot products: the block's E2M1 products sum exactly, and the scale
+    never enters the tensor cores.  Then, elementwise on the accumulator: round to bf16, relu,
+    times w rounded to bf16, into shared memory [128, H + 1] (padded: one key per thread reads
+    its row without bank conflicts); each thread sums its key's H products in order h = 0..H-1
+    in fp32, rounds once, applies the visibility and candidate masks, stores the score, and the
+    block max over 8 keys comes from three xor shuffles among the 8 lanes that own them.
+    """
+    if H % 8 or H > 256:
+        raise ValueError(f"index_scores: the CUDA build needs H a multiple of 8, at most 256, got {H}")
+    B, S, N, NC, NB = T.dynamic("B"), T.dynamic("S"), T.dynamic("N"), T.dynamic("NC"), T.dynamic("NB")
+    nsb = d // 32
+    blocks = list(range(nsb))
+
+    @T.prim_func
+    def main(Q: T.Tensor((B, S, H, d), "bfloat16"), CODES: T.Tensor((B, NC, d // 2), "uint8"),
+             SCALES: T.Tensor((B, NC, nsb), "uint8"), W: T.Tensor((B, S, H), "bfloat16"),
+             VL: T.Tensor((S,) if visible else (1,), "int32"),
+             CAND: T.Tensor((B, S, NB) if cand else (1,), "uint8"),
+             SC: T.Tensor((B, S, N), "bfloat16"), BM: T.Tensor((B, S, NB) if bmax else (1,), "bfloat16"),
+             tpc: T.int32):
+        with T.Kernel(T.ceildiv(N, _BN * tpc), S, B, threads=_THREADS) as (bx, s, b):
+            tx = T.get_thread_binding()
+            Qs = [T.alloc_shared((H, 32), "bfloat16") for _ in range(nsb)]
+            As = [T.alloc_shared((_BN, 32), "bfloat16") for _ in range(nsb)]
+            Sf = T.alloc_shared((_BN, nsb), "float32")
+            Ws = T.alloc_shared((H,), "float32")
+            Ct = T.alloc_shared((_BN, H + 1), "float32")
+            lut = T.alloc_shared((16,), "bfloat16")
+            acc = T.alloc_fragment((_BN, H), "float32")
+            part = T.alloc_fragment((_BN, H), "float32")
+            cl = T.alloc_local((nsb, 16), "uint8")
+            al = T.alloc_local((32,), "bfloat16")
+            tot = T.alloc_var("float32")
+            sv = T.alloc_var("float32")
+            if tx < 16:
+                lut[tx] = T.Cast("bfloat16", _e2m1_value(T.Cast("uint32", tx)))
+            for j in blocks:  # a Python list: unrolled at trace time (one shared tile each)
+                for h, i in T.Parallel(H, 32):
+                    Qs[j][h, i] = Q[b, s, h, j * 32 + i]
+            for h in T.Parallel(H):
+                Ws[h] = T.Cast("float32", W[b, s, h])
+            for it in T.serial(tpc):
+                k0 = (bx * tpc + it) * _BN
+                t = k0 + tx
+                T.sync_threads()  # the previous tile's readers of As / Ct are done
+                for j in blocks:
+                    if t < N:
+                        for e in T.vectorized(16):
+                            cl[j, e] = CODES[b, t, j * 16 + e]
+                        Sf[tx, j] = _e8m0_value(T.Cast("uint32", SCALES[b, t, j]))
+                    else:
+                        for e in T.vectorized(16):
+                            cl[j, e] = T.uint8(0)
+                        Sf[tx, j] = T.float32(0)
+                for j in blocks:
+                    for e in T.unroll(16):
+                        al[2 * e] = lut[T.Cast("int32", cl[j, e] & T.uint8(15))]
+                        al[2 * e + 1] = lut[T.Cast("int32", cl[j, e] >> T.uint8(4))]
+                    for e4 in T.unroll(4):
+                        for e in T.vectorized(8):
+                            As[j][tx, e4 * 8 + e] = al[e4 * 8 + e]
+                T.sync_threads()
+                T.clear(acc)
+                for j in blocks:
+                    T.gemm(As[j], Qs[j], part, transpose_B=True, clear_accum=True)
+                    for i, h in T.Parallel(_BN, H):
+                        acc[i, h] = acc[i, h] + part[i, h] * Sf[i, j]
+                for i, h in T.Parallel(_BN, H):
+                    Ct[i, h] = T.Cast("float32", T.Cast("bfloat16", T.max(
+                        T.Cast("float32", T.Cast("bfloat16", acc[i, h])), T.float32(0)) * Ws[h]))
+                T.sync_threads()
+                tot = T.float32(0)
+                for h in T.serial(H):
+                    tot = tot + Ct[tx, h]
+                sv = T.Cast("float32", T.Cast("bfloat16", tot))
+                sv = T.Select(sv == T.float32(0), T.float32(0), sv)  # -0 -> +0
+                if visible:
+                    sv = T.Select(t >= VL[s], T.float32(-T.infinity("float32")), sv)
+                if cand:
+                    sv = T.Select(t < N and CAND[b, s, T.min(t, N - 1) // BLOCK] == T.uint8(0),
+                                  T.float32(-T.infinity("float32")), sv)
+                if t < N:
+                    SC[b, s, t] = T.Cast("bfloat16", sv)
+                if bmax:
+                    sv = T.Select(t < N, sv, T.float32(-T.infinity("float32")))
+                    for k in T.unroll(3):
+                        sv = T.max(sv, T.shfl_xor(sv, 1 << k))
+                    if t < N and tx % BLOCK == 0:
+                        BM[b, s, t // BLOCK] = T.Cast("bfloat16", sv)
+    return main
+
+
+_SEL_THREADS = 256  # CUDA select: threads per CTA (one CTA per query)
+_SEL_VEC = 8  # CUDA select: consecutive scores per thread and chunk (16 B)
 
 
 def _cuda_select_prim_func(mode):
-    raise NotImplementedError
+    """Top-k (or funnel) select on CUDA: one CTA of 256 threads per query row.
+
+    The two histogram passes read the row with 16-byte loads and count into 256 shared bins with
+    shared-memory atomics; one thread walks the bins to the threshold.  The emitting pass takes
+    the row in chunks of 2048 scores, 8 consecutive ones per thread: each thread counts its keys
+    > T and == T (packed in one int32, 16 bits each), an exclusive scan over the CTA (shfl_up
+    within warps, the 8 warp totals through shared memory) gives every thread its output
+    position, and running totals carry the counts across chunks.  Output order = index order.
+    """
+    B, S, N, KO = T.dynamic("B"), T.dynamic("S"), T.dynamic("N"), T.dynamic("KO")
+    blocks = mode == "blocks"
+    out_shape, out_dtype = ((B, S, N), "uint8") if blocks else ((B, S, KO), "int32")
+    ts, vec = _SEL_THREADS, _SEL_VEC
+    assert ts == 256  # one histogram bin per thread
+    warps = ts // 32
+    chunk = ts * vec
+
+    @T.prim_func
+    def main(SC: T.Tensor((B, S, N), "uint16"), VL: T.Tensor((S,), "int32"), ARGS: T.Tensor((2,), "int32"),
+             OUT: T.Tensor(out_shape, out_dtype)):
+        with T.Kernel(S, B, threads=ts) as (s, b):
+            tx = T.get_thread_binding()
+            hist = T.alloc_shared((256,), "int32")
+            ctl = T.alloc_shared((2,), "int32")  # threshold key so far, count above it
+            wsum = T.alloc_shared((warps,), "int32")
+            kl = T.alloc_local((vec,), "uint32")
+            sl = T.alloc_local((vec,), "uint16")
+            cnt = T.alloc_var("int32")
+            above = T.alloc_var("int32")
+            pre = T.alloc_var("int32")
+            tmp = T.alloc_var("int32")
+            tot = T.alloc_var("int32")
+            rgt = T.alloc_var("int32")
+            req = T.alloc_var("int32")
+            need = T.alloc_var("int32")
+            gt = T.alloc_var("int32")
+            eq = T.alloc_var("int32")
+            thr = T.alloc_var("uint32")
+            kk = ARGS[0]
+            newest = T.Select(VL[s] > 0, (VL[s] - 1) // BLOCK, -1)
+            for p in [0, 1]:  # a Python list: the two histogram passes, unrolled at trace time
+                hist[tx] = 0
+                thr = T.Cast("uint32", ctl[0])
+                T.sync_threads()
+                for c in T.serial(T.ceildiv(N, chunk)):
+                    for e in T.unroll(vec):
+                        i = c * chunk + tx * vec + e
+                        if i < N:
+                            kl[e] = _sel_key(SC[b, s, i], i, newest, blocks)
+                            if p == 0:
+                                T.atomic_add(hist[T.Cast("int32", kl[e] >> _u(8))], 1)
+                            elif (kl[e] >> _u(8)) == thr:
+                                T.atomic_add(hist[T.Cast("int32", kl[e] & _u(0xFF))], 1)
+                T.sync_threads()
+                if tx == 0:
+                    above = 0 if p == 0 else ctl[1]
+                    cnt = -1
+                    for j in T.serial(256):
+                        if cnt < 0:
+                            if above + hist[255 - j] >= kk:
+                                cnt = 255 - j
+                            else:
+                                above = above + hist[255 - j]
+                    ctl[0] = cnt if p == 0 else ctl[0] * 256 + cnt
+                    ctl[1] = above
+                T.sync_threads()
+            thr = T.Cast("uint32", ctl[0])
+            need = kk - ctl[1]
+            rgt = 0  # keys > T and == T in the chunks before
+            req = 0
+            for c in T.serial(T.ceildiv(N, chunk)):
+                cnt = 0
+                for e in T.unroll(vec):
+                    i = c * chunk + tx * vec + e
+                    sl[e] = T.uint16(0)
+                    if i < N:
+                        sl[e] = SC[b, s, i]
+                    kl[e] = T.Select(i < N, _sel_key(sl[e], i, newest, blocks), _u(0))
+                    cnt = cnt + T.Select(kl[e] > thr, 1, 0) + T.Select(kl[e] == thr, 65536, 0)
+                pre = cnt  # inclusive scan within the warp, then the warps before
+                for k in T.unroll(5):
+                    tmp = T.shfl_up(pre, 1 << k)
+                    if tx % 32 >= (1 << k):
+                        pre = pre + tmp
+                if tx % 32 == 31:
+                    wsum[tx // 32] = pre
+                T.sync_threads()
+                pre = pre - cnt
+                tot = 0
+                for w in T.serial(warps):
+                    if w < tx // 32:
+                        pre = pre + wsum[w]
+                    tot = tot + wsum[w]
+                T.sync_threads()  # wsum is rewritten by the next chunk
+                gt = rgt + (pre & 0xFFFF)
+                eq = req + (pre >> 16)
+                for e in T.unroll(vec):
+                    i = c * chunk + tx * vec + e
+                    if blocks:
+                        if i < N:
+                            OUT[b, s, i] = T.Cast("uint8", (kl[e] > thr or (kl[e] == thr and eq < need))
+                                                  and kl[e] > _u(_KEY_NEG_INF))
+                    else:
+                        if kl[e] > thr or (kl[e] == thr and eq < need):
+                            OUT[b, s, gt + T.min(eq, need)] = T.Select(i >= VL[s], -1, i + ARGS[1])
+                    gt = gt + T.Select(kl[e] > thr, 1, 0)
+                    eq = eq + T.Select(kl[e] == thr, 1, 0)
+                rgt = rgt + (tot & 0xFFFF)
+                req = req + (tot >> 16)
+    return main
