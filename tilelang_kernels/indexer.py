@@ -358,7 +358,7 @@ def _scores_impl(q, codes, scales, w, visible_len, cand_blocks, n, block_max):
         return sc, bm
     target = _target(q)
     kernel = build("scores", (h, d, visible_len is not None, cand_blocks is not None, block_max), target)
-    args = [_bits(_aligned(q.contiguous()), target), _aligned(_rows_view(codes)), _rows_view(scales),
+    args = [_bits(_aligned(q.contiguous()), target), _aligned(_rows_view(codes)), _aligned(_rows_view(scales)),
             _bits(w.contiguous(), target)]
     # an unused optional buffer is declared [1] by the build
     args.append(visible_len.contiguous() if visible_len is not None else q.new_zeros(1, dtype=torch.int32))
@@ -459,8 +459,8 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
     """Scores on the tensor cores; grid (key ranges, S, B), 128 threads (one warpgroup).
 
     A CTA loads its query's H x d bf16 and H weights once, then walks `tpc` tiles of 128 keys.
-    Per tile each thread owns one key: it reads the key's 64 + 4 bytes with 16-byte loads and
-    writes the *unscaled* E2M1 values as bf16 (a 16-entry table in shared memory) into one
+    Per tile each thread owns one key: it reads the key's 64 + 4 bytes with 16-byte loads (one
+    tile ahead: the next tile's loads are issued before this tile's GEMMs) and writes the *unscaled* E2M1 values as bf16 (a 16-entry table in shared memory) into one
     shared [128, 32] tile per scale block.  Per scale block one GEMM [128 keys x 32] x [32 x H]
     (wgmma, fp32) runs from zero and its result is added, times the key's UE8M0 scale (exact,
     a power of two), to the dot products: the block's E2M1 products sum exactly, and the scale
@@ -475,6 +475,22 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
     B, S, N, NC, NB = T.dynamic("B"), T.dynamic("S"), T.dynamic("N"), T.dynamic("NC"), T.dynamic("NB")
     nsb = d // 32
     blocks = list(range(nsb))
+
+    @T.macro
+    def load(CODES, SCALES, cl, sl, b, t, N):
+        """Key t's packed codes (16-byte loads) and scale bytes into registers; zeros past N."""
+        if t < N:
+            for j in blocks:
+                for e in T.vectorized(16):
+                    cl[j, e] = CODES[b, t, j * 16 + e]
+            for j in T.vectorized(nsb):
+                sl[j] = SCALES[b, t, j]
+        else:
+            for j in blocks:
+                for e in T.vectorized(16):
+                    cl[j, e] = T.uint8(0)
+            for j in T.vectorized(nsb):
+                sl[j] = T.uint8(0)
 
     @T.prim_func
     def main(Q: T.Tensor((B, S, H, d), "bfloat16"), CODES: T.Tensor((B, NC, d // 2), "uint8"),
@@ -494,6 +510,7 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
             acc = T.alloc_fragment((_BN, H), "float32")
             part = T.alloc_fragment((_BN, H), "float32")
             cl = T.alloc_local((nsb, 16), "uint8")
+            sl = T.alloc_local((nsb,), "uint8")
             al = T.alloc_local((32,), "bfloat16")
             tot = T.alloc_var("float32")
             sv = T.alloc_var("float32")
@@ -504,19 +521,12 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                     Qs[j][h, i] = Q[b, s, h, j * 32 + i]
             for h in T.Parallel(H):
                 Ws[h] = T.Cast("float32", W[b, s, h])
+            load(CODES, SCALES, cl, sl, b, bx * tpc * _BN + tx, N)
             for it in T.serial(tpc):
-                k0 = (bx * tpc + it) * _BN
-                t = k0 + tx
-                T.sync_threads()  # the previous tile's readers of As / Ct are done
+                t = (bx * tpc + it) * _BN + tx
+                T.sync_threads()  # the previous tile's readers of As / Sf / Ct are done
                 for j in blocks:
-                    if t < N:
-                        for e in T.vectorized(16):
-                            cl[j, e] = CODES[b, t, j * 16 + e]
-                        Sf[tx, j] = _e8m0_value(T.Cast("uint32", SCALES[b, t, j]))
-                    else:
-                        for e in T.vectorized(16):
-                            cl[j, e] = T.uint8(0)
-                        Sf[tx, j] = T.float32(0)
+                    Sf[tx, j] = _e8m0_value(T.Cast("uint32", sl[j]))
                 for j in blocks:
                     for e in T.unroll(16):
                         al[2 * e] = lut[T.Cast("int32", cl[j, e] & T.uint8(15))]
@@ -524,6 +534,8 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                     for e4 in T.unroll(4):
                         for e in T.vectorized(8):
                             As[j][tx, e4 * 8 + e] = al[e4 * 8 + e]
+                if it + 1 < tpc:  # the next tile's bytes travel during this tile's GEMMs
+                    load(CODES, SCALES, cl, sl, b, t + _BN, N)
                 T.sync_threads()
                 T.clear(acc)
                 for j in blocks:

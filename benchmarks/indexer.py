@@ -1,0 +1,156 @@
+"""Indexer at decode on the GPU: scoring straight from the packed MXFP4 index keys, and scoring
+plus the top-k and the candidate funnel, against eager torch, `torch.compile` of the eager
+reference, and the bytes-moved bound.
+
+    python3 benchmarks/indexer.py [--batch 1 32] [--context 8192 65536 262144] [--json OUT.json]
+
+One decode step per sequence (S = 1) at the released indexer dims: H_I = 32 heads x d_I = 128,
+n = context index keys (ratio 1: the candidate source), top-k 512, 2048 candidate blocks of 8.
+
+Variants, each timed with CUDA events (median of batches of back-to-back calls):
+  score          tilelang `index_scores` with the block max (what the candidate source needs)
+  score+topk     the candidate source's whole step: `index_scores` + `index_topk` (k = 512) +
+                 `candidate_blocks` (2048 blocks)
+  eager          the same in eager torch as the eager model runs it with packed storage: dequantise
+                 all n keys to bf16, einsum, relu, x w, sum over heads; topk(sorted=False) + sort;
+                 `Indexer.candidate_mask` (block max, pin, topk, mask)
+  compile        `torch.compile` of the eager functions
+Bytes any implementation must move per sequence: the n packed keys (68 B each), q and w
+(H x d + H bf16); plus, for "score", the written scores (2 B per key) and block maxima (2 B per
+block); for "score+topk", only the k int32 indices and the block flags (1 B per block).
+"% bound" = (bytes / copy bandwidth) / time, where the copy bandwidth is a 4 GiB device-to-device
+copy (read + write) measured in the same run.  Consecutive calls cycle through enough copies of
+the key cache (>= 200 MB in all, at most 16 copies) that the keys come from HBM, not from L2.
+"""
+
+import argparse
+import json
+import types
+
+import torch
+from dsv41c import quant as Q
+from dsv41c.attention import Indexer
+from dsv41c.tilelang_kernels import indexer as K
+from quant import (  # benchmarks/ is the script's path: the codec benchmark's timing
+    bench,
+    copy_bandwidth,
+)
+
+H, D = 32, 128
+
+
+def make_caches(b, n, copies):
+    """`copies` packed key caches [b, n] (codes, scales) and one query's q, w per sequence."""
+    caches = []
+    for _ in range(copies):
+        keys = (torch.randn(b, n, D, device="cuda") * torch.rand(b, n, 1, device="cuda").mul(4).exp2()).bfloat16()
+        caches.append(Q.mxfp4_quant_ref(keys))
+    q = Q.fp4_ue8m0_fake_quant(torch.randn(b, 1, H, D, device="cuda").bfloat16(), 32)
+    w = (torch.randn(b, 1, H, device="cuda") * (H * D) ** -0.5).bfloat16()
+    return caches, q, w
+
+
+def eager_score(q, codes, scales, w):
+    return K.index_scores_ref(q, codes, scales, w, block_max=False)[0]
+
+
+def eager_step(q, codes, scales, w, vl, k, kb):
+    """The eager model's decode step at the candidate source (bf16 torch.topk, as it runs)."""
+    scores = K.index_scores_ref(q, codes, scales, w, block_max=False)[0]
+    idx = scores.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
+    idx = torch.where(idx >= vl.view(1, -1, 1), -1, idx + 128).int()
+    funnel = types.SimpleNamespace(block_size=K.BLOCK, topk_blocks=kb)
+    return idx, Indexer.candidate_mask(funnel, scores, vl.long())
+
+
+def kernel_score(q, codes, scales, w):
+    return K.index_scores(q, codes, scales, w, block_max=True)
+
+
+def kernel_step(q, codes, scales, w, vl, k, kb):
+    sc, bm = K.index_scores(q, codes, scales, w, block_max=True)
+    return K.index_topk(sc, vl, k=k, offset=128), K.candidate_blocks(bm, vl, topk_blocks=kb)
+
+
+def cycling(fn, caches, q, w, *rest):
+    """fn on the next key cache at every call."""
+    it = [0]
+
+    def run():
+        codes, scales = caches[it[0] % len(caches)]
+        it[0] += 1
+        return fn(q, codes, scales, w, *rest)
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--context", type=int, nargs="+", default=[8192, 65536, 262144])
+    ap.add_argument("--topk", type=int, default=512)
+    ap.add_argument("--blocks", type=int, default=2048)
+    ap.add_argument("--no-compile", action="store_true", help="skip torch.compile of the eager functions")
+    ap.add_argument("--no-eager", action="store_true", help="skip the eager timings")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    copy_gbs = copy_bandwidth()
+    comp_score = None if a.no_compile else torch.compile(eager_score, dynamic=False)
+    comp_step = None if a.no_compile else torch.compile(eager_step, dynamic=False)
+    rows = []
+    for b in a.batch:
+        for n in a.context:
+            key_bytes = b * n * 68
+            caches, q, w = make_caches(b, n, max(1, min(16, (200 << 20) // key_bytes)))
+            vl = torch.tensor([n], dtype=torch.int32, device="cuda")
+            k, kb = min(a.topk, n), a.blocks
+            nb = -(-n // K.BLOCK)
+            io = b * (H * D + H) * 2
+            variants = {"score": (kernel_score, eager_score, comp_score, (),
+                                  key_bytes + io + b * (n + nb) * 2),
+                        "score+topk": (kernel_step, eager_step, comp_step, (vl, k, kb),
+                                       key_bytes + io + b * (k * 4 + nb))}
+            # the kernels' selections against the eager reference on the same scores
+            sc, _ = K.index_scores(q, *caches[0], w, block_max=True)
+            exact_topk = torch.equal(K.index_topk(sc, vl, k=k, offset=128),
+                                     K.index_topk_ref(sc, vl, k=k, offset=128))
+            for name, (kern, eager, comp, rest, nbytes) in variants.items():
+                times = {}
+                for label, fn in (("tilelang", kern), ("eager", None if a.no_eager else eager), ("compile", comp)):
+                    if fn is None:
+                        times[label] = float("nan")
+                        continue
+                    run = cycling(fn, caches, q, w, *rest)
+                    try:
+                        times[label] = bench(run, reps=30 if label == "tilelang" else 10)
+                    except Exception as e:  # noqa: BLE001  (report, do not hide: Inductor may reject a ref)
+                        print(f"{label} of {name} failed at B={b}, n={n}: {type(e).__name__}: {str(e)[:200]}")
+                        times[label] = float("nan")
+                bound_ms = nbytes / (copy_gbs * 1e9) * 1e3
+                rows.append({"variant": name, "batch": b, "context": n, "bytes": nbytes,
+                             "tilelang_ms": times["tilelang"], "eager_ms": times["eager"],
+                             "compile_ms": times["compile"], "bound_ms": bound_ms,
+                             "pct_bound": 100 * bound_ms / times["tilelang"],
+                             "compile_pct_bound": 100 * bound_ms / times["compile"],
+                             "vs_eager": times["eager"] / times["tilelang"],
+                             "vs_compile": times["compile"] / times["tilelang"], "topk_exact": exact_topk})
+            del caches
+            torch.cuda.empty_cache()
+    print(f"\ndevice: {torch.cuda.get_device_name()}, copy bandwidth {copy_gbs:.0f} GB/s (4 GiB device-to-device, "
+          f"read + write); H_I = {H} x d_I = {D}, top-k {a.topk}, {a.blocks} candidate blocks of {K.BLOCK}\n")
+    print("| variant | B | context | MB moved | TileLang us | % bound | eager us | x eager | compile us "
+          "| compile % bound | x compile | top-k exact |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['variant']} | {r['batch']} | {r['context']} | {r['bytes'] / 1e6:.2f} | "
+              f"{r['tilelang_ms'] * 1e3:.1f} | {r['pct_bound']:.0f}% | {r['eager_ms'] * 1e3:.1f} | "
+              f"{r['vs_eager']:.1f} | {r['compile_ms'] * 1e3:.1f} | {r['compile_pct_bound']:.0f}% | "
+              f"{r['vs_compile']:.1f} | {r['topk_exact']} |")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump({"copy_gb_s": copy_gbs, "device": torch.cuda.get_device_name(), "heads": H, "head_dim": D,
+                       "topk": a.topk, "candidate_blocks": a.blocks, "rows": rows}, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()
