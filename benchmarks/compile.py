@@ -25,9 +25,11 @@ from pathlib import Path
 import torch
 
 import dsv41c
+from dsv41c.compiler import DEFAULT_PASSES
 from dsv41c.model import Transformer
 
 VARIANTS = ("eager", "torch.compile", "dsv41c.compile")
+# "dsv41c.compile+lower_mhc+fp4_kv": the default pass pipeline plus the named passes
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -90,8 +92,9 @@ def weight_bytes(model: Transformer, batch: int) -> tuple[int, int]:
 def make_variant(name: str, model: Transformer):
     if name == "eager":
         return model
-    if name == "dsv41c.compile":
-        return dsv41c.compile(model)
+    if name.startswith("dsv41c.compile"):
+        extra = tuple(p for p in name.split("+")[1:])
+        return dsv41c.compile(model, passes=DEFAULT_PASSES + extra)
     fn = torch.compile(model.forward, fullgraph=True, dynamic=True)
 
     def plain(ids, start_pos=0, full_logits=False):
@@ -101,12 +104,19 @@ def make_variant(name: str, model: Transformer):
     return plain
 
 
-def measure(name: str, model: Transformer, a: argparse.Namespace, gen: torch.Generator) -> dict:
-    """Prefill and decode rates of one variant; the first pass over each workload compiles."""
+def measure(name: str, model: Transformer, a: argparse.Namespace, gen: torch.Generator, out: dict,
+            save=lambda: None) -> None:
+    """Prefill and decode rates of one variant into `out`; the first pass over each workload compiles.
+    Each workload's result is printed and saved as soon as it is measured."""
     torch._dynamo.reset()
     run = make_variant(name, model)
-    vocab, out = model.args.vocab_size, {"variant": name}
+    vocab = model.args.vocab_size
     compile_s = 0.0
+
+    def done(key: str, first_s: float) -> None:
+        print(f"  {name}: {key} {out[key]:.1f} (first pass {first_s:.0f} s)", flush=True)
+        out[f"{key}_first_pass_s"] = first_s
+        save()
     if a.prefill_len:
         ids = torch.randint(0, vocab, (1, a.prefill_len), generator=gen).to(a.device)
 
@@ -116,8 +126,10 @@ def measure(name: str, model: Transformer, a: argparse.Namespace, gen: torch.Gen
 
         t0 = time.perf_counter()
         prefill()
-        compile_s += time.perf_counter() - t0
+        first = time.perf_counter() - t0
+        compile_s += first
         out["prefill_tok_s"] = a.prefill_len / timed(prefill, a.device, a.repeats)
+        done("prefill_tok_s", first)
     for batch in a.batches:
         prompt = torch.randint(0, vocab, (batch, a.decode_prompt), generator=gen).to(a.device)
         steps = torch.randint(0, vocab, (batch, a.decode_steps, 1), generator=gen).to(a.device)
@@ -133,15 +145,17 @@ def measure(name: str, model: Transformer, a: argparse.Namespace, gen: torch.Gen
         seed()
         t0 = time.perf_counter()
         decode()
-        compile_s += time.perf_counter() - t0
+        first = time.perf_counter() - t0
+        compile_s += first
         times = []
         for _ in range(a.repeats):
             seed()
             times.append(timed(decode, a.device, 1))
         out[f"decode_b{batch}_tok_s"] = batch * a.decode_steps / sorted(times)[len(times) // 2]
+        done(f"decode_b{batch}_tok_s", first)
     out["first_pass_s"] = compile_s
+    save()
     torch._dynamo.reset()
-    return out
 
 
 def parse() -> argparse.Namespace:
@@ -169,9 +183,9 @@ def parse() -> argparse.Namespace:
     a.repeats = a.repeats or (5 if gpu else 2)
     a.batches = [int(b) for b in a.batches.split(",") if b]
     a.variants = [v for v in a.variants.split(",") if v]
-    unknown = sorted(set(a.variants) - set(VARIANTS))
+    unknown = sorted(v for v in a.variants if v not in VARIANTS and not v.startswith("dsv41c.compile+"))
     if unknown:
-        p.error(f"--variants: unknown {unknown}; choose from {VARIANTS}")
+        p.error(f"--variants: unknown {unknown}; choose from {VARIANTS} or dsv41c.compile+<pass>+...")
     return a
 
 
@@ -189,12 +203,6 @@ def main() -> None:
     device_name = torch.cuda.get_device_name() if a.device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"{a.config} on {device_name}, {a.dtype}, kv_quant={a.kv_quant}, torch {torch.__version__}; "
           f"copy {copy_bps / 1e9:.1f} GB/s, matmul {flops / 1e12:.2f} TFLOP/s", flush=True)
-    rows = []
-    for name in a.variants:
-        rows.append(measure(name, model, a, gen))
-        print(f"  {name}: done ({rows[-1]['first_pass_s']:.0f} s first pass, compiles included)", flush=True)
-
-    base = {r["variant"]: r for r in rows}
     keys = (["prefill_tok_s"] if a.prefill_len else []) + [f"decode_b{b}_tok_s" for b in a.batches]
     ceilings = {}
     _, active = weight_bytes(model, 1)
@@ -202,6 +210,26 @@ def main() -> None:
         ceilings["prefill_tok_s"] = flops / (2 * active)
     for b in a.batches:
         ceilings[f"decode_b{b}_tok_s"] = b * copy_bps / weight_bytes(model, b)[0]
+    record = {"config": str(a.config), "device": device_name, "dtype": a.dtype, "kv_quant": a.kv_quant,
+              "torch": torch.__version__, "date": datetime.date.today().isoformat(),
+              "copy_bytes_per_s": copy_bps, "matmul_flop_per_s": flops, "ceilings_tok_s": ceilings,
+              "prefill_len": a.prefill_len, "decode_prompt": a.decode_prompt, "decode_steps": a.decode_steps,
+              "rows": []}
+
+    def save() -> None:  # after every workload, so a run cut short keeps what it measured
+        if a.json:
+            tmp = a.json.with_name(f".{a.json.name}.tmp")
+            tmp.write_text(json.dumps(record, indent=2, default=lambda x: None if math.isnan(x) else x) + "\n")
+            tmp.replace(a.json)
+
+    for name in a.variants:
+        record["rows"].append({"variant": name})
+        measure(name, model, a, gen, record["rows"][-1], save)
+        print(f"  {name}: done ({record['rows'][-1]['first_pass_s']:.0f} s first pass, compiles included)",
+              flush=True)
+
+    rows = record["rows"]
+    base = {r["variant"]: r for r in rows}
     header = ["workload", *(f"{v} tok/s" for v in a.variants)]
     header += [f"{v} x eager" for v in a.variants if v != "eager" and "eager" in base]
     if {"torch.compile", "dsv41c.compile"} <= set(base):
@@ -220,15 +248,6 @@ def main() -> None:
     print("first pass (compiles, s): " + ", ".join(f"{r['variant']} {r['first_pass_s']:.0f}" for r in rows))
     print("ceilings: prefill = matmul rate / (2 x active parameters); decode = copy bandwidth x batch / "
           "weight bytes a step reads (dense weights + min(E, batch x k) experts per MoE)")
-    if a.json:
-        record = {"config": str(a.config), "device": device_name, "dtype": a.dtype, "kv_quant": a.kv_quant,
-                  "torch": torch.__version__, "date": datetime.date.today().isoformat(),
-                  "copy_bytes_per_s": copy_bps, "matmul_flop_per_s": flops, "ceilings_tok_s": ceilings,
-                  "prefill_len": a.prefill_len, "decode_prompt": a.decode_prompt, "decode_steps": a.decode_steps,
-                  "rows": rows}
-        tmp = a.json.with_name(f".{a.json.name}.tmp")
-        tmp.write_text(json.dumps(record, indent=2, default=lambda x: None if math.isnan(x) else x) + "\n")
-        tmp.replace(a.json)
 
 
 if __name__ == "__main__":

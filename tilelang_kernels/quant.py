@@ -479,29 +479,37 @@ def _quotient(a, sf, rc, fmt):
     return q0
 
 
-def _e2m1_code_fadd(q_bits):
-    """E2M1 magnitude code of the non-negative fp32 q <= 6 (bits q_bits), by one fp32 addition:
-    with E = max(exponent of q, 127) and M = 2^(E - 105), the quantum of M's binade is the E2M1
-    step of q's binade (0.5 below 2, then 1, 2), so fl(q + M) - M rounds q onto the E2M1 grid to
+_FADD_K, _FADD_C = (1 << 23) - 2, (22 << 23) + 254
+
+
+def _e2m1_fadd(q_bits):
+    """E2M1 magnitude code of the non-negative fp32 q <= 6 (bits q_bits), by one fp32 addition,
+    as (total, e) with code = total - e * _FADD_K - _FADD_C (uint32 arithmetic): with
+    E = max(exponent of q, 127) and M = 2^(E - 105), the quantum of M's binade is the E2M1 step
+    of q's binade (0.5 below 2, then 1, 2), so fl(q + M) - M rounds q onto the E2M1 grid to
     nearest even, and bits(fl(q + M)) - bits(M) counts steps above the binade's base, whose code
-    is 2 (E - 127).  Checked against the threshold rule for every fp32 pattern in [0, 8]."""
+    is 2 (E - 127).  Checked against the threshold rule for every fp32 pattern in [0, 8].  The
+    caller subtracts the affine part once per packed pair."""
     e = T.max(q_bits >> _u(23), _u(127))
-    total = T.reinterpret(_f(q_bits) + _f((e + _u(22)) << _u(23)), "uint32")
-    return total - e * _u((1 << 23) - 2) - _u((22 << 23) + 254)
+    return T.reinterpret(_f(q_bits) + _f((e + _u(22)) << _u(23)), "uint32"), e
 
 
 def _e2m1_pair(w, wa, sf, rc, fmt):
     """Packed byte of the two bf16 in the 32-bit word w (element 2i low, 2i+1 high nibble); wa is
-    w with the two sign bits cleared.  The signs move to bits 3 and 7 by two shifts of w's sign
-    bits; bits beyond the byte are cut by the uint8 store."""
-    codes = []
+    w with the two sign bits cleared.  The two codes are combined before their affine part is
+    removed: lo + (hi << 4) = (t0 + (t1 << 4)) - (e0 + (e1 << 4)) K - 17 C, modulo 2^32.  The
+    signs move to bits 3 and 7 by two shifts of w's sign bits; bits beyond the byte are cut by
+    the uint8 store."""
+    parts = []
     for bits in (wa << _u(16), wa & _u(0xFFFF0000)):
         q = T.reinterpret(_quotient(_f(bits), sf, rc, fmt), "uint32")
         if fmt == "fp4_e4m3":  # s is E4M3-rounded (or saturated at 448): q can pass 6; codes stop at 7
             q = T.min(q, _u(_SIX))
-        codes.append(_e2m1_code_fadd(q))
+        parts.append(_e2m1_fadd(q))
+    (t0, e0), (t1, e1) = parts
+    codes = (t0 + (t1 << _u(4))) - (e0 + (e1 << _u(4))) * _u(_FADD_K) - _u((17 * _FADD_C) % 2**32)
     signs = w & _u(0x80008000)
-    return (codes[0] | (codes[1] << _u(4))) | ((signs >> _u(12)) | (signs >> _u(24)))
+    return codes | ((signs >> _u(12)) | (signs >> _u(24)))
 
 
 def _e2m1_signed(xb, sf, rc, fmt):
