@@ -274,13 +274,14 @@ def scores_prim_func(H: int, d: int, visible: bool, cand: bool, bmax: bool, targ
     return _cuda_scores_prim_func(H, d, visible, cand, bmax)
 
 
-def select_prim_func(mode: str, target: str):
-    """The selection prim_func, mode "topk" (indices) or "blocks" (funnel keep flags)."""
-    if mode not in ("topk", "blocks"):
-        raise ValueError(f"indexer select: unknown mode {mode!r}")
+def select_prim_func(mode: str, phase: str, target: str):
+    """The selection prim_func, mode "topk" (indices) or "blocks" (funnel keep flags); the C
+    build does everything in one phase "all", the CUDA build is split in SELECT_PHASES."""
+    if mode not in ("topk", "blocks") or phase not in (("all",) if target == "c" else SELECT_PHASES):
+        raise ValueError(f"indexer select: unknown mode/phase {mode!r}/{phase!r} for target {target}")
     if target == "c":
         return _cpu_select_prim_func(mode)
-    return _cuda_select_prim_func(mode)
+    return _cuda_select_prim_func(mode, phase)
 
 
 @functools.cache
@@ -380,6 +381,23 @@ def _check_select(op, scores, visible_len):
                          f"got {visible_len.dtype} {tuple(visible_len.shape)} on {visible_len.device}")
 
 
+def _select(mode, scores, visible_len, k, offset, out):
+    """Run the select build(s) of `mode` on scores [B,S,n] (k >= 1) into out."""
+    target = _target(scores)
+    sc = scores.contiguous().view(torch.uint16)
+    vl = visible_len.contiguous()
+    args = torch.tensor([k, offset], dtype=torch.int32, device=scores.device)
+    if target == "c":
+        build("select", (mode, "all"), target)(sc, vl, args, out)
+        return
+    b, s, n = scores.shape
+    parts, part = cuda_select_split(n, b * s)
+    hist = torch.zeros(b, s, 2, 256, dtype=torch.int32, device=scores.device)
+    counts = torch.empty(b, s, parts, 2, dtype=torch.int32, device=scores.device)
+    for phase in SELECT_PHASES:
+        build("select", (mode, phase), target)(sc, vl, args, hist, counts, out, part)
+
+
 def _topk_fake(scores, visible_len, k, offset):
     return scores.new_empty((*scores.shape[:2], k), dtype=torch.int32)
 
@@ -390,9 +408,7 @@ def _topk_impl(scores, visible_len, k, offset):
         raise ValueError(f"index_topk: k={k} must be in 0..{scores.shape[-1]} (the number of scores)")
     out = _topk_fake(scores, visible_len, k, offset)
     if out.numel():
-        target = _target(scores)
-        args = torch.tensor([k, offset], dtype=torch.int32, device=scores.device)
-        build("select", ("topk",), target)(scores.contiguous().view(torch.uint16), visible_len.contiguous(), args, out)
+        _select("topk", scores, visible_len, k, offset, out)
     return out
 
 
@@ -406,10 +422,10 @@ def _blocks_impl(block_max, visible_len, topk_blocks):
         raise ValueError(f"candidate_blocks: topk_blocks must be >= 0, got {topk_blocks}")
     out = _blocks_fake(block_max, visible_len, topk_blocks)
     if out.numel():
-        target = _target(block_max)
-        args = torch.tensor([min(topk_blocks, block_max.shape[-1]), 0], dtype=torch.int32, device=block_max.device)
-        build("select", ("blocks",), target)(block_max.contiguous().view(torch.uint16), visible_len.contiguous(), args,
-                                              out.view(torch.uint8))
+        kb = min(topk_blocks, block_max.shape[-1])
+        if kb == 0:
+            return out.zero_()
+        _select("blocks", block_max, visible_len, kb, 0, out.view(torch.uint8))
     return out
 
 
@@ -567,118 +583,158 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
     return main
 
 
-_SEL_THREADS = 256  # CUDA select: threads per CTA (one CTA per query)
-_SEL_VEC = 8  # CUDA select: consecutive scores per thread and chunk (16 B)
+_SEL_THREADS = 256  # CUDA select: threads per CTA, one histogram bin each
+_SEL_VEC = 8  # CUDA select: consecutive scores per thread and chunk
+_SEL_CHUNK = _SEL_THREADS * _SEL_VEC
+SELECT_PHASES = ("hist0", "hist1", "count", "emit")
 
 
-def _cuda_select_prim_func(mode):
-    """Top-k (or funnel) select on CUDA: one CTA of 256 threads per query row.
+def cuda_select_split(n: int, rows: int, slots: int = 4 * 132) -> tuple[int, int]:
+    """(parts P, scores per part) of each row for the CUDA select: about `slots` CTAs in all (4
+    per SM on an H200), each part a whole number of 2048-score chunks."""
+    chunks = max(1, -(-n // _SEL_CHUNK))
+    per = -(-chunks // max(1, min(chunks, -(-slots // rows))))
+    return -(-chunks // per), per * _SEL_CHUNK
 
-    The two histogram passes read the row with 16-byte loads and count into 256 shared bins with
-    shared-memory atomics; one thread walks the bins to the threshold.  The emitting pass takes
-    the row in chunks of 2048 scores, 8 consecutive ones per thread: each thread counts its keys
-    > T and == T (packed in one int32, 16 bits each), an exclusive scan over the CTA (shfl_up
-    within warps, the 8 warp totals through shared memory) gives every thread its output
-    position, and running totals carry the counts across chunks.  Output order = index order.
+
+def _cuda_select_prim_func(mode, phase):
+    """One phase of the CUDA select; grid (P parts of the row, S, B), 256 threads.
+
+    hist0  each CTA counts the high bytes of its part's keys into 256 shared bins (warp-aggregated:
+           `__match_any_sync` groups the lanes with equal bins, one shared atomic per group) and
+           adds them to the row's global histogram HIST[b, s, 0] (zeroed by the caller).
+    hist1  every CTA finds the threshold bin b1 from HIST[b, s, 0] (a block scan over the bins from
+           the top, one bin per thread) and counts the low bytes of its keys in b1 into HIST[b, s, 1].
+    count  every CTA finds T = (b1, b2) and need = k - #(keys > T), and writes its part's number of
+           keys > T and == T to COUNTS[b, s, p].
+    emit   every CTA sums the COUNTS of the parts before it, then walks its part in chunks of 2048
+           scores, 8 consecutive per thread: a block scan of the per-thread (> T, == T) counts
+           (16 bits each in one int32) gives each thread its output positions; the output is in
+           index order.  Funnel mode writes every block's keep flag instead.
     """
-    B, S, N, KO = T.dynamic("B"), T.dynamic("S"), T.dynamic("N"), T.dynamic("KO")
+    B, S, N, KO, P = T.dynamic("B"), T.dynamic("S"), T.dynamic("N"), T.dynamic("KO"), T.dynamic("P")
     blocks = mode == "blocks"
     out_shape, out_dtype = ((B, S, N), "uint8") if blocks else ((B, S, KO), "int32")
-    ts, vec = _SEL_THREADS, _SEL_VEC
-    assert ts == 256  # one histogram bin per thread
+    ts, vec, chunk = _SEL_THREADS, _SEL_VEC, _SEL_CHUNK
     warps = ts // 32
-    chunk = ts * vec
+    level = 0 if phase == "hist0" else 1
+
+    @T.macro
+    def block_scan(val, res, wsum, tx):
+        """res[0] = inclusive scan of val over the CTA's threads, res[1] = the CTA total."""
+        res[0] = val
+        for k in T.unroll(5):
+            res[2] = T.shfl_up(res[0], 1 << k)
+            if tx % 32 >= (1 << k):
+                res[0] = res[0] + res[2]
+        if tx % 32 == 31:
+            wsum[tx // 32] = res[0]
+        T.sync_threads()
+        res[1] = 0
+        for w in T.serial(warps):
+            if w < tx // 32:
+                res[0] = res[0] + wsum[w]
+            res[1] = res[1] + wsum[w]
+        T.sync_threads()
+
+    @T.macro
+    def find_bin(HIST, b, s, lvl, want, ctl, res, wsum, tx):
+        """ctl[2 lvl] = the bin holding the want-th largest key of level lvl's histogram,
+        ctl[2 lvl + 1] = the keys in higher bins (want >= 1)."""
+        block_scan(HIST[b, s, lvl, 255 - tx], res, wsum, tx)
+        if res[0] >= want and res[0] - HIST[b, s, lvl, 255 - tx] < want:
+            ctl[2 * lvl] = 255 - tx
+            ctl[2 * lvl + 1] = res[0] - HIST[b, s, lvl, 255 - tx]
+        T.sync_threads()
+
+    @T.macro
+    def load_keys(SC, hv, kl, b, s, i0, newest):
+        for e in T.unroll(vec):
+            hv[e] = T.uint16(0)
+            if i0 + e < N:
+                hv[e] = SC[b, s, i0 + e]
+        for e in T.unroll(vec):
+            # past the row: 0x10000, above every 16-bit key and equal to no threshold
+            kl[e] = T.Select(i0 + e < N, _sel_key(hv[e], i0 + e, newest, blocks), _u(0x10000))
 
     @T.prim_func
     def main(SC: T.Tensor((B, S, N), "uint16"), VL: T.Tensor((S,), "int32"), ARGS: T.Tensor((2,), "int32"),
-             OUT: T.Tensor(out_shape, out_dtype)):
-        with T.Kernel(S, B, threads=ts) as (s, b):
+             HIST: T.Tensor((B, S, 2, 256), "int32"), COUNTS: T.Tensor((B, S, P, 2), "int32"),
+             OUT: T.Tensor(out_shape, out_dtype), part: T.int32):
+        with T.Kernel(P, S, B, threads=ts) as (p, s, b):
             tx = T.get_thread_binding()
             hist = T.alloc_shared((256,), "int32")
-            ctl = T.alloc_shared((2,), "int32")  # threshold key so far, count above it
+            ctl = T.alloc_shared((4,), "int32")
             wsum = T.alloc_shared((warps,), "int32")
             kl = T.alloc_local((vec,), "uint32")
-            sl = T.alloc_local((vec,), "uint16")
-            cnt = T.alloc_var("int32")
-            above = T.alloc_var("int32")
-            pre = T.alloc_var("int32")
-            tmp = T.alloc_var("int32")
-            tot = T.alloc_var("int32")
-            rgt = T.alloc_var("int32")
-            req = T.alloc_var("int32")
+            hv = T.alloc_local((vec,), "uint16")
+            res = T.alloc_local((3,), "int32")
+            run = T.alloc_local((2,), "int32")
+            bin_ = T.alloc_var("uint32")
+            peers = T.alloc_var("uint32")
+            thr = T.alloc_var("uint32")
             need = T.alloc_var("int32")
             gt = T.alloc_var("int32")
             eq = T.alloc_var("int32")
-            thr = T.alloc_var("uint32")
             kk = ARGS[0]
             newest = T.Select(VL[s] > 0, (VL[s] - 1) // BLOCK, -1)
-            for p in [0, 1]:  # a Python list: the two histogram passes, unrolled at trace time
+            lane_below = (_u(1) << T.Cast("uint32", tx % 32)) - _u(1)
+            if phase != "hist0":
+                find_bin(HIST, b, s, 0, kk, ctl, res, wsum, tx)
+            if phase == "count" or phase == "emit":
+                find_bin(HIST, b, s, 1, kk - ctl[1], ctl, res, wsum, tx)
+                thr = T.Cast("uint32", ctl[0] * 256 + ctl[2])
+                need = kk - ctl[1] - ctl[3]
+            if phase == "hist0" or phase == "hist1":
                 hist[tx] = 0
-                thr = T.Cast("uint32", ctl[0])
                 T.sync_threads()
-                for c in T.serial(T.ceildiv(N, chunk)):
+                for c in T.serial(part // chunk):
+                    load_keys(SC, hv, kl, b, s, p * part + c * chunk + tx * vec, newest)
                     for e in T.unroll(vec):
-                        i = c * chunk + tx * vec + e
-                        if i < N:
-                            kl[e] = _sel_key(SC[b, s, i], i, newest, blocks)
-                            if p == 0:
-                                T.atomic_add(hist[T.Cast("int32", kl[e] >> _u(8))], 1)
-                            elif (kl[e] >> _u(8)) == thr:
-                                T.atomic_add(hist[T.Cast("int32", kl[e] & _u(0xFF))], 1)
+                        if phase == "hist0":
+                            bin_ = T.Select(kl[e] < _u(0x10000), kl[e] >> _u(8), _u(256))
+                        else:
+                            bin_ = T.Select(kl[e] >> _u(8) == T.Cast("uint32", ctl[0]), kl[e] & _u(0xFF), _u(256))
+                        peers = T.call_extern("uint32", "__match_any_sync", _u(0xFFFFFFFF), bin_)
+                        if bin_ < _u(256) and (peers & lane_below) == _u(0):
+                            T.atomic_add(hist[T.Cast("int32", bin_)], T.call_extern("int32", "__popc", peers))
                 T.sync_threads()
-                if tx == 0:
-                    above = 0 if p == 0 else ctl[1]
-                    cnt = -1
-                    for j in T.serial(256):
-                        if cnt < 0:
-                            if above + hist[255 - j] >= kk:
-                                cnt = 255 - j
-                            else:
-                                above = above + hist[255 - j]
-                    ctl[0] = cnt if p == 0 else ctl[0] * 256 + cnt
-                    ctl[1] = above
-                T.sync_threads()
-            thr = T.Cast("uint32", ctl[0])
-            need = kk - ctl[1]
-            rgt = 0  # keys > T and == T in the chunks before
-            req = 0
-            for c in T.serial(T.ceildiv(N, chunk)):
-                cnt = 0
-                for e in T.unroll(vec):
-                    i = c * chunk + tx * vec + e
-                    sl[e] = T.uint16(0)
-                    if i < N:
-                        sl[e] = SC[b, s, i]
-                    kl[e] = T.Select(i < N, _sel_key(sl[e], i, newest, blocks), _u(0))
-                    cnt = cnt + T.Select(kl[e] > thr, 1, 0) + T.Select(kl[e] == thr, 65536, 0)
-                pre = cnt  # inclusive scan within the warp, then the warps before
-                for k in T.unroll(5):
-                    tmp = T.shfl_up(pre, 1 << k)
-                    if tx % 32 >= (1 << k):
-                        pre = pre + tmp
-                if tx % 32 == 31:
-                    wsum[tx // 32] = pre
-                T.sync_threads()
-                pre = pre - cnt
-                tot = 0
-                for w in T.serial(warps):
-                    if w < tx // 32:
-                        pre = pre + wsum[w]
-                    tot = tot + wsum[w]
-                T.sync_threads()  # wsum is rewritten by the next chunk
-                gt = rgt + (pre & 0xFFFF)
-                eq = req + (pre >> 16)
-                for e in T.unroll(vec):
-                    i = c * chunk + tx * vec + e
-                    if blocks:
-                        if i < N:
-                            OUT[b, s, i] = T.Cast("uint8", (kl[e] > thr or (kl[e] == thr and eq < need))
-                                                  and kl[e] > _u(_KEY_NEG_INF))
-                    else:
-                        if kl[e] > thr or (kl[e] == thr and eq < need):
-                            OUT[b, s, gt + T.min(eq, need)] = T.Select(i >= VL[s], -1, i + ARGS[1])
-                    gt = gt + T.Select(kl[e] > thr, 1, 0)
-                    eq = eq + T.Select(kl[e] == thr, 1, 0)
-                rgt = rgt + (tot & 0xFFFF)
-                req = req + (tot >> 16)
+                if hist[tx] > 0:
+                    T.atomic_add(HIST[b, s, level, tx], hist[tx])
+            else:
+                run[0] = 0  # keys > T and == T before this chunk
+                run[1] = 0
+                if phase == "emit":
+                    for j in T.serial(2):
+                        res[2] = 0
+                        for q in T.serial(T.ceildiv(p, ts)):
+                            if q * ts + tx < p:
+                                res[2] = res[2] + COUNTS[b, s, q * ts + tx, j]
+                        block_scan(res[2], res, wsum, tx)
+                        run[j] = res[1]
+                for c in T.serial(part // chunk):
+                    load_keys(SC, hv, kl, b, s, p * part + c * chunk + tx * vec, newest)
+                    gt = 0
+                    for e in T.unroll(vec):
+                        gt = gt + T.Select(kl[e] > thr and kl[e] < _u(0x10000), 1, 0) + T.Select(kl[e] == thr, 65536, 0)
+                    block_scan(gt, res, wsum, tx)
+                    if phase == "emit":
+                        res[0] = res[0] - gt
+                        gt = run[0] + (res[0] & 0xFFFF)
+                        eq = run[1] + (res[0] >> 16)
+                        for e in T.unroll(vec):
+                            i = p * part + c * chunk + tx * vec + e
+                            if blocks:
+                                if i < N:
+                                    OUT[b, s, i] = T.Cast("uint8", (kl[e] > thr or (kl[e] == thr and eq < need))
+                                                          and kl[e] > _u(_KEY_NEG_INF))
+                            elif i < N and (kl[e] > thr or (kl[e] == thr and eq < need)):
+                                OUT[b, s, gt + T.min(eq, need)] = T.Select(i >= VL[s], -1, i + ARGS[1])
+                            gt = gt + T.Select(kl[e] > thr, 1, 0)
+                            eq = eq + T.Select(kl[e] == thr, 1, 0)
+                    run[0] = run[0] + (res[1] & 0xFFFF)
+                    run[1] = run[1] + (res[1] >> 16)
+                if phase == "count" and tx == 0:
+                    COUNTS[b, s, p, 0] = run[0]
+                    COUNTS[b, s, p, 1] = run[1]
     return main
