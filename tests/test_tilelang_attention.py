@@ -17,11 +17,17 @@ import secrets
 
 import pytest
 import torch
+from torch import nn
 
 from dsv41c import quant as Q
+from dsv41c.attention import sparse_attn as eager_sparse_attn
+from dsv41c.passes.lower_sparse_attn import LowerSparseAttn
+from dsv41c.passes.manager import PassError, PassPipeline
 from dsv41c.tilelang_kernels import attention as A
 
 DTYPES = (torch.float32, torch.bfloat16)
+D_CPU = 128  # one head dim (and scale) for every CPU test: each kernel variant builds once
+SCALE = D_CPU**-0.5
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -82,7 +88,7 @@ def decoded_rows(window, scales, codes, cscales, dtype):
 def test_sparse_attn_cpu(dtype):
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
-    b, s, h, d, n, k = 2, 3, 4, 64, 150, 140
+    b, s, h, d, n, k = 2, 3, 4, D_CPU, 150, 140
     q = torch.randn(b, s, h, d, generator=g).to(dtype)
     kv = (torch.randn(b, n, d, generator=g) * 2).to(dtype)
     sink = torch.randn(h, generator=g)
@@ -92,12 +98,16 @@ def test_sparse_attn_cpu(dtype):
     check(out, A.sparse_attn_ref(q, kv, sink, idx, scale), kv, q, k, scale, seed)
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["rows", "fp8"])
-@pytest.mark.parametrize("dtype", DTYPES)
+# (fp32 and bf16 share the attention body; the window loaders differ): the three builds used
+# by the CI models (fp32: prefill and decode) and by deployment decode (bf16, FP8 ring)
+PACKED_CASES = [(torch.float32, False), (torch.float32, True), (torch.bfloat16, True)]
+
+
+@pytest.mark.parametrize("dtype,fp8", PACKED_CASES, ids=["fp32-rows", "fp32-fp8", "bf16-fp8"])
 def test_sparse_attn_packed_cpu(dtype, fp8):
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
-    b, s, h, d, n_w, n_c, k = 2, 3, 4, 128, 20, 100, 130
+    b, s, h, d, n_w, n_c, k = 2, 3, 4, D_CPU, 20, 100, 130
     args = packed_inputs(b, s, h, d, n_w, n_c, k, dtype, fp8, g)
     scale = d**-0.5
     out = A.sparse_attn_packed(*args, scale)
@@ -113,13 +123,13 @@ def test_sparse_attn_packed_cpu(dtype, fp8):
 
 def test_empty_list_and_out_of_range():
     g = torch.Generator().manual_seed(fresh_seed())
-    q = torch.randn(1, 2, 4, 64, generator=g)
-    kv = torch.randn(1, 10, 64, generator=g)
+    q = torch.randn(1, 2, 4, D_CPU, generator=g)
+    kv = torch.randn(1, 10, D_CPU, generator=g)
     sink = torch.randn(4, generator=g)
-    assert (A.sparse_attn(q, kv, sink, torch.zeros(1, 2, 0, dtype=torch.int32), 0.125) == 0).all()
+    assert (A.sparse_attn(q, kv, sink, torch.zeros(1, 2, 0, dtype=torch.int32), SCALE) == 0).all()
     idx = torch.tensor([[[3, 12, -1], [5, 6, 10]]], dtype=torch.int32)  # 10 and 12 are past the rows
-    out = A.sparse_attn(q, kv, sink, idx, 0.125)
-    ref = A.sparse_attn_ref(q, kv, sink, torch.where(idx < 10, idx, -1), 0.125)
+    out = A.sparse_attn(q, kv, sink, idx, SCALE)
+    ref = A.sparse_attn_ref(q, kv, sink, torch.where(idx < 10, idx, -1), SCALE)
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
 
 
@@ -139,23 +149,89 @@ def test_bad_arguments():
 
 def test_opcheck():
     g = torch.Generator().manual_seed(fresh_seed())
-    b, s, h, d, n_w, n_c, k = 1, 2, 4, 128, 20, 100, 70
-    for fp8 in (False, True):
-        args = packed_inputs(b, s, h, d, n_w, n_c, k, torch.bfloat16, fp8, g)
-        torch.library.opcheck(torch.ops.dsv41c.sparse_attn_packed.default, (*args, d**-0.5))
-    q = torch.randn(2, 3, 4, 64, generator=g)
-    kv = torch.randn(2, 150, 64, generator=g)
+    b, s, h, d, n_w, n_c, k = 1, 2, 4, D_CPU, 20, 100, 70
+    for dtype, fp8 in PACKED_CASES[1:]:
+        args = packed_inputs(b, s, h, d, n_w, n_c, k, dtype, fp8, g)
+        torch.library.opcheck(torch.ops.dsv41c.sparse_attn_packed.default, (*args, SCALE))
+    q = torch.randn(2, 3, 4, D_CPU, generator=g)
+    kv = torch.randn(2, 150, D_CPU, generator=g)
     torch.library.opcheck(torch.ops.dsv41c.sparse_attn.default,
-                          (q, kv, torch.randn(4, generator=g), make_idx(2, 3, 140, 150, g), 0.125))
+                          (q, kv, torch.randn(4, generator=g), make_idx(2, 3, 140, 150, g), SCALE))
 
 
 def test_compiles_fullgraph():
     g = torch.Generator().manual_seed(fresh_seed())
-    q = torch.randn(2, 3, 4, 64, generator=g)
-    kv = torch.randn(2, 150, 64, generator=g)
+    q = torch.randn(2, 3, 4, D_CPU, generator=g)
+    kv = torch.randn(2, 150, D_CPU, generator=g)
     sink, idx = torch.randn(4, generator=g), make_idx(2, 3, 140, 150, g)
-    fn = torch.compile(lambda *a: A.sparse_attn(*a, 0.125), fullgraph=True, backend="aot_eager")
-    torch.testing.assert_close(fn(q, kv, sink, idx), A.sparse_attn(q, kv, sink, idx, 0.125), rtol=0, atol=0)
+    fn = torch.compile(lambda *a: A.sparse_attn(*a, SCALE), fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(fn(q, kv, sink, idx), A.sparse_attn(q, kv, sink, idx, SCALE), rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------- the pass
+
+class OneAttention(nn.Module):
+    def __init__(self, h, d):
+        super().__init__()
+        self.attn_sink = nn.Parameter(torch.randn(h))
+        self.scale = d**-0.5
+
+    def forward(self, q, kv, idx):
+        return eager_sparse_attn(q, kv, self.attn_sink, idx, self.scale)
+
+
+class ThreeAttentions(nn.Module):
+    """Plain rows; a packed FP8 ring + FP4 compressed rows (as fp4_kv leaves a decode step's
+    reads); the ring alone.  The first and last share an index list (CSE shares its decoding)."""
+
+    def __init__(self, h, d):
+        super().__init__()
+        self.plain, self.packed, self.ring = (OneAttention(h, d) for _ in range(3))
+
+    def forward(self, q, kv, wc, ws, cc, cs, idx, idx_w):
+        ring = torch.ops.dsv41c.fp8_dequant(wc, ws, q.dtype)
+        rows = torch.cat([ring, torch.ops.dsv41c.fp4_e4m3_dequant(cc, cs, q.dtype)], dim=1)
+        return self.plain(q, kv, idx_w) + self.packed(2 * q, rows, idx) + self.ring(q, ring, idx_w)
+
+
+def test_lower_sparse_attn_pass():
+    """Each eager sparse_attn site becomes one kernel call (the packed ones read the bytes), and
+    the lowered graph computes what eager does."""
+    from dsv41c.compiler import dynamo_backend, inductor_options
+
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    h, d, n_w, n_c = 4, D_CPU, 10, 30
+    model = ThreeAttentions(h, d)
+    pipe = PassPipeline([LowerSparseAttn()], strict=True)
+    pipe.bind(model)
+    q, kv = torch.randn(2, 3, h, d, generator=g), torch.randn(2, n_w, d, generator=g)
+    wc, ws = Q.fp8_quant_ref(torch.randn(2, n_w, d, generator=g))
+    cc, cs = Q.fp4_e4m3_quant_ref(torch.randn(2, n_c, d, generator=g))
+    idx, idx_w = make_idx(2, 3, 70, n_w + n_c, g), make_idx(2, 3, 20, n_w, g)
+    fn = torch.compile(model, backend=dynamo_backend("passes_only"), fullgraph=True, dynamic=True)
+    with torch.no_grad(), torch._inductor.config.patch(inductor_options(pipe)):
+        out = fn(q, kv, wc, ws, cc, cs, idx, idx_w)
+        ref = model(q, kv, wc, ws, cc, cs, idx, idx_w)
+    stats = pipe.stats["lower_sparse_attn"]
+    assert sorted(stats.details) == ["sparse_attn at plain", "sparse_attn_packed at packed",
+                                     "sparse_attn_packed at ring"], stats.details
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5, msg=f"seed {seed}")
+
+
+def test_lower_sparse_attn_strict_failure():
+    """An fp32 site whose rows are bf16 is left as torch ops: an error in strict mode."""
+    from dsv41c.compiler import dynamo_backend, inductor_options
+
+    model = OneAttention(4, 64)
+    pipe = PassPipeline([LowerSparseAttn()], strict=True)
+    pipe.bind(model)
+    fn = torch.compile(model, backend=dynamo_backend("passes_only"), fullgraph=True)
+    q, kv = torch.randn(1, 2, 4, 64), torch.randn(1, 5, 64).bfloat16()
+    with pytest.raises(Exception, match="left as torch ops") as info, torch.no_grad(), \
+            torch._inductor.config.patch(inductor_options(pipe)):
+        fn(q, kv, torch.zeros(1, 2, 3, dtype=torch.int32))
+    assert isinstance(info.value, PassError) or "PassError" in str(info.value)
 
 
 # ------------------------------------------------------------------------------------- GPU

@@ -445,7 +445,7 @@ def _check_common(op, q, sink, idx):
 
 def _arg(t: torch.Tensor, target: str) -> torch.Tensor:
     """Contiguous (16-byte aligned on CUDA); bf16 as uint16 bits for the C build."""
-    t = t.contiguous()
+    t = t.contiguous() if t.numel() else t.new_empty(t.shape)  # the builds check strides, even of empty rows
     if target != "c" and t.data_ptr() % 16:
         t = t.clone()
     return t.view(torch.uint16) if target == "c" and t.dtype == torch.bfloat16 else t
