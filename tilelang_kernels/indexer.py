@@ -472,7 +472,8 @@ def cuda_tiles_per_cta(n: int, rows: int, slots: int = 3 * 132) -> int:
 
 
 def _cuda_scores_prim_func(H, d, visible, cand, bmax):
-    """Scores on the tensor cores; grid (key ranges, S, B), 128 threads (one warpgroup).
+    """Scores on the tensor cores; grid (S, key ranges, B) (S first: a long prefill passes the
+    65535 limit of the other grid dims), 128 threads (one warpgroup).
 
     A CTA loads its query's H x d bf16 and H weights once, then walks `tpc` tiles of 128 keys.
     Per tile each thread owns one key: it reads the key's 64 + 4 bytes with 16-byte loads (one
@@ -493,9 +494,11 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
     blocks = list(range(nsb))
 
     @T.macro
-    def load(CODES, SCALES, cl, sl, b, t, N):
-        """Key t's packed codes (16-byte loads) and scale bytes into registers; zeros past N."""
-        if t < N:
+    def load(CODES, SCALES, CAND, cl, sl, b, s, t, lim):
+        """Key t's packed codes (16-byte loads) and scale bytes into registers.  Keys whose score
+        is -inf anyway (past the visible length, outside the candidate blocks) are not read:
+        zeros instead, so a Reindex layer reads only its candidate blocks' keys."""
+        if t < lim and (not cand or CAND[b, s, T.min(t, lim - 1) // BLOCK] != T.uint8(0)):
             for j in blocks:
                 for e in T.vectorized(16):
                     cl[j, e] = CODES[b, t, j * 16 + e]
@@ -515,7 +518,7 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
              CAND: T.Tensor((B, S, NB) if cand else (1,), "uint8"),
              SC: T.Tensor((B, S, N), "bfloat16"), BM: T.Tensor((B, S, NB) if bmax else (1,), "bfloat16"),
              tpc: T.int32):
-        with T.Kernel(T.ceildiv(N, _BN * tpc), S, B, threads=_THREADS) as (bx, s, b):
+        with T.Kernel(S, T.ceildiv(N, _BN * tpc), B, threads=_THREADS) as (s, bx, b):
             tx = T.get_thread_binding()
             Qs = [T.alloc_shared((H, 32), "bfloat16") for _ in range(nsb)]
             As = [T.alloc_shared((_BN, 32), "bfloat16") for _ in range(nsb)]
@@ -537,7 +540,8 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                     Qs[j][h, i] = Q[b, s, h, j * 32 + i]
             for h in T.Parallel(H):
                 Ws[h] = T.Cast("float32", W[b, s, h])
-            load(CODES, SCALES, cl, sl, b, bx * tpc * _BN + tx, N)
+            lim = T.min(N, VL[s]) if visible else N
+            load(CODES, SCALES, CAND, cl, sl, b, s, bx * tpc * _BN + tx, lim)
             for it in T.serial(tpc):
                 t = (bx * tpc + it) * _BN + tx
                 T.sync_threads()  # the previous tile's readers of As / Sf / Ct are done
@@ -551,7 +555,7 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                         for e in T.vectorized(8):
                             As[j][tx, e4 * 8 + e] = al[e4 * 8 + e]
                 if it + 1 < tpc:  # the next tile's bytes travel during this tile's GEMMs
-                    load(CODES, SCALES, cl, sl, b, t + _BN, N)
+                    load(CODES, SCALES, CAND, cl, sl, b, s, t + _BN, lim)
                 T.sync_threads()
                 T.clear(acc)
                 for j in blocks:
@@ -598,7 +602,7 @@ def cuda_select_split(n: int, rows: int, slots: int = 4 * 132) -> tuple[int, int
 
 
 def _cuda_select_prim_func(mode, phase):
-    """One phase of the CUDA select; grid (P parts of the row, S, B), 256 threads.
+    """One phase of the CUDA select; grid (S, P parts of the row, B), 256 threads.
 
     hist0  each CTA counts the high bytes of its part's keys into 256 shared bins (warp-aggregated:
            `__match_any_sync` groups the lanes with equal bins, one shared atomic per group) and
@@ -661,7 +665,7 @@ def _cuda_select_prim_func(mode, phase):
     def main(SC: T.Tensor((B, S, N), "uint16"), VL: T.Tensor((S,), "int32"), ARGS: T.Tensor((2,), "int32"),
              HIST: T.Tensor((B, S, 2, 256), "int32"), COUNTS: T.Tensor((B, S, P, 2), "int32"),
              OUT: T.Tensor(out_shape, out_dtype), part: T.int32):
-        with T.Kernel(P, S, B, threads=ts) as (p, s, b):
+        with T.Kernel(S, P, B, threads=ts) as (s, p, b):
             tx = T.get_thread_binding()
             hist = T.alloc_shared((256,), "int32")
             ctl = T.alloc_shared((4,), "int32")
