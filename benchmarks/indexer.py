@@ -11,13 +11,16 @@ Variants, each timed with CUDA events (median of batches of back-to-back calls):
   score          tilelang `index_scores` with the block max (what the candidate source needs)
   score+topk     the candidate source's whole step: `index_scores` + `index_topk` (k = 512) +
                  `candidate_blocks` (2048 blocks)
+  reindex        a Reindex layer's step: `index_scores` masked by the candidate blocks (the kernel
+                 reads only the kept blocks' keys) + `index_topk`
   eager          the same in eager torch as the eager model runs it with packed storage: dequantise
                  all n keys to bf16, einsum, relu, x w, sum over heads; topk(sorted=False) + sort;
                  `Indexer.candidate_mask` (block max, pin, topk, mask)
   compile        `torch.compile` of the eager functions
 Bytes any implementation must move per sequence: the n packed keys (68 B each), q and w
 (H x d + H bf16); plus, for "score", the written scores (2 B per key) and block maxima (2 B per
-block); for "score+topk", only the k int32 indices and the block flags (1 B per block).
+block); for "score+topk", only the k int32 indices and the block flags (1 B per block); for
+"reindex", only the kept blocks' keys, the block flags read and the k indices written.
 "% bound" = (bytes / copy bandwidth) / time, where the copy bandwidth is a 4 GiB device-to-device
 copy (read + write) measured in the same run.  Consecutive calls cycle through enough copies of
 the key cache (>= 200 MB in all, at most 16 copies) that the keys come from HBM, not from L2.
@@ -63,6 +66,18 @@ def eager_step(q, codes, scales, w, vl, k, kb):
     return idx, Indexer.candidate_mask(funnel, scores, vl.long())
 
 
+def eager_reindex(q, codes, scales, w, vl, k, keep):
+    scores = K.index_scores_ref(q, codes, scales, w, block_max=False)[0]
+    scores = scores.masked_fill(~K.expand_blocks(keep, scores.shape[-1]), float("-inf"))
+    idx = scores.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
+    return torch.where(idx >= vl.view(1, -1, 1), -1, idx + 128).int()
+
+
+def kernel_reindex(q, codes, scales, w, vl, k, keep):
+    sc, _ = K.index_scores(q, codes, scales, w, None, keep)
+    return K.index_topk(sc, vl, k=k, offset=128)
+
+
 def kernel_score(q, codes, scales, w):
     return K.index_scores(q, codes, scales, w, block_max=True)
 
@@ -97,6 +112,7 @@ def main() -> None:
     copy_gbs = copy_bandwidth()
     comp_score = None if a.no_compile else torch.compile(eager_score, dynamic=False)
     comp_step = None if a.no_compile else torch.compile(eager_step, dynamic=False)
+    comp_reindex = None if a.no_compile else torch.compile(eager_reindex, dynamic=False)
     rows = []
     for b in a.batch:
         for n in a.context:
@@ -110,6 +126,10 @@ def main() -> None:
                                   key_bytes + io + b * (n + nb) * 2),
                         "score+topk": (kernel_step, eager_step, comp_step, (vl, k, kb),
                                        key_bytes + io + b * (k * 4 + nb))}
+            keep = K.candidate_blocks(K.index_scores(q, *caches[0], w, block_max=True)[1], vl, topk_blocks=kb)
+            kept = int(keep.sum())
+            variants["reindex"] = (kernel_reindex, eager_reindex, comp_reindex, (vl, k, keep),
+                                   kept * K.BLOCK * 68 + io + b * (nb + k * 4))
             # the kernels' selections against the eager reference on the same scores
             sc, _ = K.index_scores(q, *caches[0], w, block_max=True)
             exact_topk = torch.equal(K.index_topk(sc, vl, k=k, offset=128),
