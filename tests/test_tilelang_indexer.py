@@ -51,11 +51,12 @@ def same(a, b):
 
 # ----------------------------------------------------------------------------------- CPU
 
-SCORE_CASES = {  # name: (B, S, H, d, n, ratio or None for decode)
-    "prefill": (2, 13, 4, 64, 13, 1),
-    "prefill_ratio4": (1, 30, 3, 32, 7, 4),
-    "decode": (3, 1, 4, 64, 45, None),
-    "decode_multi_query": (2, 3, 2, 128, 20, None),
+H, D = 4, 128  # CPU: one head count and the released head dim, so each flag set builds once
+SCORE_CASES = {  # name: (B, S, n, ratio or None for decode)
+    "prefill": (2, 13, 13, 1),
+    "prefill_ratio4": (1, 30, 7, 4),
+    "decode": (3, 1, 45, None),
+    "decode_multi_query": (2, 3, 20, None),
 }
 
 
@@ -63,9 +64,9 @@ SCORE_CASES = {  # name: (B, S, H, d, n, ratio or None for decode)
 @pytest.mark.parametrize("with_cand", (False, True), ids=["all", "cand"])
 @pytest.mark.parametrize("case", SCORE_CASES)
 def test_scores_bit_exact_cpu(case, with_cand, block_max):
-    b, s, h, d, n, ratio = SCORE_CASES[case]
+    b, s, n, ratio = SCORE_CASES[case]
     seed = fresh_seed()
-    q, codes, scales, w = make_inputs(b, s, h, d, n, seed)
+    q, codes, scales, w = make_inputs(b, s, H, D, n, seed)
     vl = prefill_visible(s, ratio) if ratio else None
     cand = torch.rand(b, s, -(-n // 8)) < 0.6 if with_cand else None
     got = K.index_scores(q, codes, scales, w, vl, cand, n=n, block_max=block_max)
@@ -77,7 +78,7 @@ def test_scores_bit_exact_cpu(case, with_cand, block_max):
 def test_scores_match_eager_indexer_cpu():
     """The ref is the eager §6.5(d): same bits as the eager Indexer's three lines on fake-quant keys."""
     seed = fresh_seed()
-    q, codes, scales, w = make_inputs(2, 9, 4, 64, 9, seed)
+    q, codes, scales, w = make_inputs(2, 9, H, D, 9, seed)
     keys = quant.mxfp4_dequant_ref(codes[:, :9], scales[:, :9], torch.bfloat16)
     eager = (torch.einsum("bshd,btd->bsht", q, keys).relu() * w.unsqueeze(-1)).sum(dim=2)
     got, _ = K.index_scores(q, codes, scales, w, n=9)
@@ -88,7 +89,7 @@ def test_scores_unquantised_queries_bound_cpu():
     """Plain bf16 queries: q.k is no longer exact in fp32, so the summation order can move a score
     by one bf16 rounding step: within 2^-7 relative of the largest score, and mostly equal."""
     seed = fresh_seed()
-    q, codes, scales, w = make_inputs(2, 4, 8, 128, 64, seed, fq=False)
+    q, codes, scales, w = make_inputs(2, 4, H, D, 64, seed, fq=False)
     got, _ = K.index_scores(q, codes, scales, w, n=64)
     ref, _ = K.index_scores_ref(q, codes, scales, w, n=64)
     err = (got.float() - ref.float()).abs().max() / ref.float().abs().max()
@@ -144,7 +145,7 @@ def test_funnel_bit_exact_cpu(n, kb):
     """Block max from the scoring kernel, then the funnel, against the eager candidate_mask."""
     seed = fresh_seed()
     s = 5
-    q, codes, scales, w = make_inputs(1, s, 2, 32, n, seed)
+    q, codes, scales, w = make_inputs(1, s, H, D, n, seed)
     vl = torch.tensor([n, n - 1, 9, 1, 0], dtype=torch.int32)
     sc, bm = K.index_scores(q, codes, scales, w, vl, n=n, block_max=True)
     keep = K.candidate_blocks(bm, vl, topk_blocks=kb)
@@ -167,8 +168,8 @@ def test_reindex_chain_cpu():
     against the eager composition with the lower-index tie rule."""
     seed = fresh_seed()
     b, s, n, k, kb = 2, 40, 40, 24, 2
-    q, codes, scales, w = make_inputs(b, s, 4, 64, n, seed)
-    q2, _, _, w2 = make_inputs(b, s, 4, 64, n, seed + 1)
+    q, codes, scales, w = make_inputs(b, s, H, D, n, seed)
+    q2, _, _, w2 = make_inputs(b, s, H, D, n, seed + 1)
     vl = prefill_visible(s, 1)
     _, bm = K.index_scores(q, codes, scales, w, vl, n=n, block_max=True)
     keep = K.candidate_blocks(bm, vl, topk_blocks=kb)
@@ -187,14 +188,14 @@ def test_reindex_chain_cpu():
 def test_one_build_serves_all_shapes_cpu():
     before = K.build.cache_info().currsize
     for b, s, n in ((1, 1, 9), (2, 3, 17), (3, 2, 64)):
-        q, codes, scales, w = make_inputs(b, s, 2, 32, n, fresh_seed())
+        q, codes, scales, w = make_inputs(b, s, H, D, n, fresh_seed())
         sc, _ = K.index_scores(q, codes, scales, w, n=n)
         K.index_topk(sc, torch.full((s,), n, dtype=torch.int32), k=min(4, n), offset=0)
     assert K.build.cache_info().currsize - before <= 2
 
 
 def test_bad_inputs_raise():
-    q, codes, scales, w = make_inputs(1, 2, 2, 32, 8, 0)
+    q, codes, scales, w = make_inputs(1, 2, H, D, 8, 0)
     with pytest.raises(ValueError, match="q must be"):
         K.index_scores(q.float(), codes, scales, w, n=8)
     with pytest.raises(ValueError, match="n=12"):
@@ -207,7 +208,7 @@ def test_bad_inputs_raise():
 
 def opcheck_all(device):
     b, s, n = 2, 5, 21
-    q, codes, scales, w = make_inputs(b, s, 8, 32, n, fresh_seed(), device=device)  # CUDA: H % 8 == 0
+    q, codes, scales, w = make_inputs(b, s, 8 if device == "cuda" else H, D, n, fresh_seed(), device=device)
     vl = prefill_visible(s, 1, device) + 16
     cand = torch.rand(b, s, 3, device=device) < 0.5
     torch.library.opcheck(torch.ops.dsv41c.index_scores, (q, codes, scales, w, vl, cand),
@@ -226,13 +227,12 @@ def test_opcheck_cpu():
 # ----------------------------------------------------------------------------------- CUDA
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (no GPU needed)")
-def test_cuda_builds_compile_for_sm90a():
-    """Without a GPU: the sm_90a builds compile; the scoring reads the packed keys with 16-byte
-    loads and runs wgmma, the block max shuffles among lanes, the select scans with shfl_up."""
+def test_cuda_scores_build_compiles_for_sm90a():
+    """Without a GPU: the sm_90a scoring build (all options) compiles with nvcc; it reads the packed
+    keys with 16-byte loads, runs wgmma, and takes the block max by lane shuffles.  (One build
+    only, ~25 s: the select phases compile the same way, see `build`.)"""
     src = K.build("scores", (32, 128, True, True, True), "cuda:sm_90a").get_kernel_source()
     assert "wgmma" in src and "__shfl_xor_sync" in src and "*(uint4*)(CODES" in src
-    src = K.build("select", ("topk", "emit"), "cuda:sm_90a").get_kernel_source()
-    assert "__shfl_up_sync" in src
 
 
 def ulp_close(got, ref, seed):
