@@ -465,10 +465,11 @@ _THREADS = 128  # one warpgroup
 
 
 def cuda_tiles_per_cta(n: int, rows: int, slots: int = 3 * 132) -> int:
-    """Key tiles each scoring CTA walks: enough CTAs to fill `slots` (3 per SM on an H200), and
-    longer walks (the query tile loaded once per CTA) when the tiles are plentiful."""
+    """Key tiles each scoring CTA walks: the fewest that fit all CTAs in one wave of `slots`
+    (3 resident per SM on an H200: ~60 KB of shared memory each), at most 8; longer walks load
+    the query once for more keys and overlap one tile's loads with the previous tile's GEMMs."""
     tiles = -(-n // _BN)
-    return max(1, min(8, tiles * rows // slots))
+    return max(1, min(8, -(-tiles * rows // slots)))
 
 
 def _cuda_scores_prim_func(H, d, visible, cand, bmax):
