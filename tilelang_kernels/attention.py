@@ -57,6 +57,7 @@ BLOCK = 64  # list entries per online-softmax step (§6.8)
 KINDS = ("plain", "packed_rows", "packed_fp8")  # kv rows; packed with a plain window; packed with an FP8 ring
 _CUDA_THREADS = 256
 _CUDA_HEADS = 64  # heads per CTA (one wgmma M)
+_GATHER_GROUPS = 2  # CUDA: rounds of loads per gathered block
 _NEG_BIG = -1e30
 
 
@@ -243,57 +244,63 @@ def _cuda_prim_func(kind, H, d, scale):
     assert d % 64 == 0 and BLOCK * per_row % threads == 0
     bf = "bfloat16"
 
-    @T.macro
-    def put_fp8(R, KVs, cl, vl, sf, bb, t, r, c0):
-        for j in T.vectorized(vec):
-            cl[j] = R["W"][bb, t, c0 + j]
-        sf[0] = _e8m0_value(T.Cast("uint32", R["WS"][bb, t, c0 // 32]))
-        for j in T.unroll(vec):
-            vl[j] = T.Cast(bf, T.Cast("float32", T.reinterpret(cl[j], "float8_e4m3fn")) * sf[0])
-        for j in T.vectorized(vec):
-            KVs[r, c0 + j] = vl[j]
+    ig = items // _GATHER_GROUPS  # loads a thread has in flight before it uses any of them
 
     @T.macro
-    def put_fp4(R, KVs, cl, vl, sf, bb, t, r, c0):
-        for j in T.vectorized(vec // 2):
-            cl[j] = R["CC"][bb, t, c0 // 2 + j]
-        sf[0] = _e4m3_value(T.Cast("uint32", R["CS"][bb, t, c0 // 16]))
-        for j in T.unroll(vec // 2):
-            vl[2 * j] = T.Cast(bf, _e2m1_value(T.Cast("uint32", cl[j]) & T.uint32(0xF)) * sf[0])
-            vl[2 * j + 1] = T.Cast(bf, _e2m1_value(T.Cast("uint32", cl[j]) >> T.uint32(4)) * sf[0])
-        for j in T.vectorized(vec):
-            KVs[r, c0 + j] = vl[j]
-
-    @T.macro
-    def put_rows(SRC, KVs, bb, t, r, c0):
-        for j in T.vectorized(vec):
-            KVs[r, c0 + j] = SRC[bb, t, c0 + j]
-
-    @T.macro
-    def gather(R, KVs, tl, cl, vl, sf, bb, bs, blk, tx):
-        """Rows listed in block blk into KVs [BLOCK, d] as bf16 (zeros for masked entries)."""
-        for u in T.unroll(items):
-            r = (u * threads + tx) // per_row
-            c0 = (u * threads + tx) % per_row * vec
-            tl[0] = -1
-            if blk * BLOCK + r < K:
-                tl[0] = R["IDX"][bb, bs, blk * BLOCK + r]
-            if tl[0] >= rows_total:
-                tl[0] = -1
-            if tl[0] < 0:
-                for j in T.vectorized(vec):
-                    KVs[r, c0 + j] = T.Cast(bf, 0)
-            else:
-                if kind == "plain":
-                    put_rows(R["KV"], KVs, bb, tl[0], r, c0)
-                else:
-                    if tl[0] < N:
-                        if kind == "packed_rows":
-                            put_rows(R["W"], KVs, bb, tl[0], r, c0)
-                        else:
-                            put_fp8(R, KVs, cl, vl, sf, bb, tl[0], r, c0)
+    def gather(R, KVs, rowS, rb, ru, sb, vl, bb, tx):
+        """The rows named in rowS (-1: none) into KVs [BLOCK, d] as bf16 (zeros for none), in
+        _GATHER_GROUPS rounds: first every load of the round (raw bytes into registers), then the
+        decoding and the shared-memory stores, so a round costs one memory latency."""
+        for grp in T.unroll(_GATHER_GROUPS):
+            for u in T.unroll(ig):
+                r = ((grp * ig + u) * threads + tx) // per_row
+                c0 = ((grp * ig + u) * threads + tx) % per_row * vec
+                if rowS[r] >= 0:
+                    if kind == "plain":
+                        for j in T.vectorized(vec):
+                            rb[u, j] = R["KV"][bb, rowS[r], c0 + j]
                     else:
-                        put_fp4(R, KVs, cl, vl, sf, bb, tl[0] - N, r, c0)
+                        if rowS[r] < N:
+                            if kind == "packed_rows":
+                                for j in T.vectorized(vec):
+                                    rb[u, j] = R["W"][bb, rowS[r], c0 + j]
+                            else:
+                                for j in T.vectorized(vec):
+                                    ru[u, j] = R["W"][bb, rowS[r], c0 + j]
+                                sb[u] = R["WS"][bb, rowS[r], c0 // 32]
+                        else:
+                            for j in T.vectorized(vec // 2):
+                                ru[u, j] = R["CC"][bb, rowS[r] - N, c0 // 2 + j]
+                            sb[u] = R["CS"][bb, rowS[r] - N, c0 // 16]
+            for u in T.unroll(ig):
+                r = ((grp * ig + u) * threads + tx) // per_row
+                c0 = ((grp * ig + u) * threads + tx) % per_row * vec
+                if rowS[r] < 0:
+                    for j in T.vectorized(vec):
+                        KVs[r, c0 + j] = T.Cast(bf, 0)
+                else:
+                    if kind == "plain":
+                        for j in T.vectorized(vec):
+                            KVs[r, c0 + j] = rb[u, j]
+                    else:
+                        if rowS[r] < N:
+                            if kind == "packed_rows":
+                                for j in T.vectorized(vec):
+                                    KVs[r, c0 + j] = rb[u, j]
+                            else:
+                                for j in T.unroll(vec):
+                                    vl[j] = T.Cast(bf, T.Cast("float32", T.reinterpret(ru[u, j], "float8_e4m3fn"))
+                                                   * _e8m0_value(T.Cast("uint32", sb[u])))
+                                for j in T.vectorized(vec):
+                                    KVs[r, c0 + j] = vl[j]
+                        else:
+                            for j in T.unroll(vec // 2):
+                                vl[2 * j] = T.Cast(bf, _e2m1_value(T.Cast("uint32", ru[u, j]) & T.uint32(0xF))
+                                                   * _e4m3_value(T.Cast("uint32", sb[u])))
+                                vl[2 * j + 1] = T.Cast(bf, _e2m1_value(T.Cast("uint32", ru[u, j]) >> T.uint32(4))
+                                                       * _e4m3_value(T.Cast("uint32", sb[u])))
+                            for j in T.vectorized(vec):
+                                KVs[r, c0 + j] = vl[j]
 
     @T.macro
     def attend(R, bs, bb, bh):
@@ -301,7 +308,7 @@ def _cuda_prim_func(kind, H, d, scale):
         Qs = T.alloc_shared((HB, d), bf)
         KVs = T.alloc_shared((BLOCK, d), bf)
         Ps = T.alloc_shared((HB, BLOCK), bf)
-        okS = T.alloc_shared((BLOCK,), "int32")
+        rowS = T.alloc_shared((BLOCK,), "int32")  # the block's rows, -1 for none
         Sf = T.alloc_fragment((HB, BLOCK), "float32")
         acc = T.alloc_fragment((HB, d), "float32")
         mrun = T.alloc_fragment((HB,), "float32")
@@ -309,10 +316,10 @@ def _cuda_prim_func(kind, H, d, scale):
         alpha = T.alloc_fragment((HB,), "float32")
         den = T.alloc_fragment((HB,), "float32")
         psum = T.alloc_fragment((HB,), "float32")
-        tl = T.alloc_local((1,), "int32")
-        cl = T.alloc_local((vec,), "uint8")
+        rb = T.alloc_local((ig, vec), bf)  # loaded bf16 rows
+        ru = T.alloc_local((ig, vec), "uint8")  # loaded codes
+        sb = T.alloc_local((ig,), "uint8")  # loaded scale bytes
         vl = T.alloc_local((vec,), bf)
-        sf = T.alloc_local((1,), "float32")
         if H % HB == 0:
             T.copy(R["Q"][bb, bs, bh * HB:(bh + 1) * HB, :], Qs)
         else:  # the last CTA's missing heads are zero rows of the GEMM, never stored
@@ -328,20 +335,22 @@ def _cuda_prim_func(kind, H, d, scale):
         T.fill(mrun, _f32_const(_NEG_BIG))
         for blk in T.serial(T.ceildiv(K, BLOCK)):
             if tx < BLOCK:
-                okS[tx] = 0
+                rowS[tx] = -1
                 if blk * BLOCK + tx < K:
-                    okS[tx] = T.Select(R["IDX"][bb, bs, blk * BLOCK + tx] >= 0, 1, 0)
-            gather(R, KVs, tl, cl, vl, sf, bb, bs, blk, tx)
+                    if R["IDX"][bb, bs, blk * BLOCK + tx] < rows_total:
+                        rowS[tx] = R["IDX"][bb, bs, blk * BLOCK + tx]
+            T.sync_threads()
+            gather(R, KVs, rowS, rb, ru, sb, vl, bb, tx)
             T.sync_threads()
             T.gemm(Qs, KVs, Sf, transpose_B=True, clear_accum=True)
             for h, i in T.Parallel(HB, BLOCK):
-                Sf[h, i] = T.if_then_else(okS[i] == 1, Sf[h, i] * _f32_const(scale), -T.infinity("float32"))
+                Sf[h, i] = T.if_then_else(rowS[i] >= 0, Sf[h, i] * _f32_const(scale), -T.infinity("float32"))
             T.reduce_max(Sf, mnew, dim=1, clear=True)
             for h in T.Parallel(HB):
                 mnew[h] = T.max(mnew[h], mrun[h])
                 alpha[h] = T.exp(mrun[h] - mnew[h])
             for h, i in T.Parallel(HB, BLOCK):
-                Sf[h, i] = T.if_then_else(okS[i] == 1, T.exp(Sf[h, i] - mnew[h]), T.float32(0))
+                Sf[h, i] = T.if_then_else(rowS[i] >= 0, T.exp(Sf[h, i] - mnew[h]), T.float32(0))
             T.reduce_sum(Sf, psum, dim=1)
             for h in T.Parallel(HB):
                 den[h] = den[h] * alpha[h] + psum[h]
