@@ -29,13 +29,17 @@ sorted.  The funnel is the same select over block maxima with the newest block's
 
 Numerics of the scores.  The keys dequantise exactly (E2M1 x 2^k); each q.k is an fp32 sum
 rounded once to bf16, relu, times w rounded to bf16, summed over heads in order h = 0..H-1 in fp32
-and rounded once.  With MXFP4 queries (the model's fake quant) every product and every partial
-sum of q.k is exact in fp32, so the C build equals the eager bf16 computation bit for bit; the
-head sum is order dependent only beyond fp32 precision (the tests state the bound).
+and rounded once.  With MXFP4 queries (the model's fake quant) every product is exact and so is
+every partial sum of q.k unless the four 32-blocks' scales span more than ~10 binades, so the
+C build reproduces the eager bf16 computation bit for bit (the tests check bit equality on
+fresh random inputs); with plain bf16 queries the summation order can move a score by one bf16
+step (the tests bound it).
 
 CPU (C target): one program per query, serial loops.  bf16 travels as its uint16 bits.
 
-CUDA (sm_90a): see `_cuda_scores_prim_func` and `_cuda_select_prim_func`.
+CUDA (sm_90a): the scoring runs the q.k products on the tensor cores (wgmma) from keys decoded
+into shared memory, one CTA per (query, range of keys); the select splits each row over many
+CTAs in four launches.  Details in `_cuda_scores_prim_func` and `_cuda_select_prim_func`.
 """
 
 import functools
