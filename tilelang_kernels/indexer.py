@@ -498,12 +498,18 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
     nsb = d // 32
     blocks = list(range(nsb))
 
+    def needed(CAND, b, s, t, lim):
+        """Key t can score above -inf: below the visible length and in a kept candidate block."""
+        if cand:
+            return T.And(t < lim, CAND[b, s, T.min(t, lim - 1) // BLOCK] != T.uint8(0))
+        return t < lim
+
     @T.macro
     def load(CODES, SCALES, CAND, cl, sl, b, s, t, lim):
         """Key t's packed codes (16-byte loads) and scale bytes into registers.  Keys whose score
         is -inf anyway (past the visible length, outside the candidate blocks) are not read:
         zeros instead, so a Reindex layer reads only its candidate blocks' keys."""
-        if t < lim and (not cand or CAND[b, s, T.min(t, lim - 1) // BLOCK] != T.uint8(0)):
+        if needed(CAND, b, s, t, lim):
             for j in blocks:
                 for e in T.vectorized(16):
                     cl[j, e] = CODES[b, t, j * 16 + e]
@@ -538,6 +544,7 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
             al = T.alloc_local((32,), "bfloat16")
             tot = T.alloc_var("float32")
             sv = T.alloc_var("float32")
+            live = T.alloc_var("int32")
             if tx < 16:
                 lut[tx] = T.Cast("bfloat16", _e2m1_value(T.Cast("uint32", tx)))
             for j in blocks:  # a Python list: unrolled at trace time (one shared tile each)
@@ -550,27 +557,33 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
             for it in T.serial(tpc):
                 t = (bx * tpc + it) * _BN + tx
                 T.sync_threads()  # the previous tile's readers of As / Sf / Ct are done
-                for j in blocks:
-                    Sf[tx, j] = _e8m0_value(T.Cast("uint32", sl[j]))
-                for j in blocks:
-                    for e in T.unroll(16):
-                        al[2 * e] = lut[T.Cast("int32", cl[j, e] & T.uint8(15))]
-                        al[2 * e + 1] = lut[T.Cast("int32", cl[j, e] >> T.uint8(4))]
-                    for e4 in T.unroll(4):
-                        for e in T.vectorized(8):
-                            As[j][tx, e4 * 8 + e] = al[e4 * 8 + e]
+                # a tile whose keys all score -inf (causal prefill, a Reindex layer's dropped
+                # blocks) skips the decode and the GEMMs; the flag is CTA-uniform
+                live = T.call_extern("int32", "__syncthreads_or", T.Cast("int32", needed(CAND, b, s, t, lim)))
+                if live != 0:
+                    for j in blocks:
+                        Sf[tx, j] = _e8m0_value(T.Cast("uint32", sl[j]))
+                    for j in blocks:
+                        for e in T.unroll(16):
+                            al[2 * e] = lut[T.Cast("int32", cl[j, e] & T.uint8(15))]
+                            al[2 * e + 1] = lut[T.Cast("int32", cl[j, e] >> T.uint8(4))]
+                        for e4 in T.unroll(4):
+                            for e in T.vectorized(8):
+                                As[j][tx, e4 * 8 + e] = al[e4 * 8 + e]
                 if it + 1 < tpc:  # the next tile's bytes travel during this tile's GEMMs
                     load(CODES, SCALES, CAND, cl, sl, b, s, t + _BN, lim)
-                T.sync_threads()
-                T.clear(acc)
-                for j in blocks:
-                    T.gemm(As[j], Qs[j], part, transpose_B=True, clear_accum=True)
+                if live != 0:
+                    T.sync_threads()
+                    T.clear(acc)
+                    for j in blocks:
+                        T.gemm(As[j], Qs[j], part, transpose_B=True, clear_accum=True)
+                        for i, h in T.Parallel(_BN, H):
+                            acc[i, h] = acc[i, h] + part[i, h] * Sf[i, j]
                     for i, h in T.Parallel(_BN, H):
-                        acc[i, h] = acc[i, h] + part[i, h] * Sf[i, j]
-                for i, h in T.Parallel(_BN, H):
-                    Ct[i, h] = T.Cast("float32", T.Cast("bfloat16", T.max(
-                        T.Cast("float32", T.Cast("bfloat16", acc[i, h])), T.float32(0)) * Ws[h]))
-                T.sync_threads()
+                        Ct[i, h] = T.Cast("float32", T.Cast("bfloat16", T.max(
+                            T.Cast("float32", T.Cast("bfloat16", acc[i, h])), T.float32(0)) * Ws[h]))
+                    T.sync_threads()
+                # (a skipped tile sums stale products here; every one of its scores is masked below)
                 tot = T.float32(0)
                 for h in T.serial(H):
                     tot = tot + Ct[tx, h]
