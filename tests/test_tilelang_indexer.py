@@ -263,7 +263,10 @@ def test_cuda_scores_released_dims_decode(b, with_cand):
     """32 heads x 128, 8K keys in a larger cache, one query per sequence."""
     seed, n = fresh_seed(), 8192
     q, codes, scales, w = make_inputs(b, 1, 32, 128, n, seed, rows=n + 100, device="cuda")
-    cand = torch.rand(b, 1, n // 8, device="cuda") < 0.25 if with_cand else None
+    cand = None
+    if with_cand:
+        cand = torch.rand(b, 1, n // 8, device="cuda") < 0.25
+        cand[..., 300:700] = False  # whole key tiles without a kept block: skipped by the kernel
     sc, bm = K.index_scores(q, codes, scales, w, None, cand, n=n, block_max=True)
     ref, _ = K.index_scores_ref(*(t.cpu() for t in (q, codes, scales, w)), None,
                                 None if cand is None else cand.cpu(), n=n)
