@@ -195,9 +195,12 @@ def _operands(site: Site, in_sites: set, out: torch.Tensor) -> tuple[fx.Node, fx
 
 
 def _output(site: Site, in_sites: set) -> fx.Node:
-    outs = [n for n in site.outputs if any(u not in in_sites for u in n.users)]
-    if len(outs) != 1 or _val(outs[0]) is None or _val(outs[0]).dim() != 4:
-        raise Mismatch(f"expected one [B,S,H,d] output, found {len(outs)} outputs")
+    """The attention output: the site's one 4-D value read outside the sites (a shared constant,
+    e.g. the -inf of the masking, may be read elsewhere too)."""
+    outs = [n for n in site.outputs if any(u not in in_sites for u in n.users)
+            and _val(n) is not None and _val(n).dim() == 4]
+    if len(outs) != 1:
+        raise Mismatch(f"expected one [B,S,H,d] output, found {len(outs)}")
     return outs[0]
 
 

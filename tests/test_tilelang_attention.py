@@ -234,6 +234,57 @@ def test_lower_sparse_attn_strict_failure():
     assert isinstance(info.value, PassError) or "PassError" in str(info.value)
 
 
+def compile_lowered(model, passes):
+    """dsv41c.compile with `passes` then lower_sparse_attn (strict, passes_only backend, graphs kept)."""
+    import dsv41c
+    from dsv41c.compiler import ObservedPass
+    from dsv41c.passes.manager import PassStats, registry
+
+    if "lower_sparse_attn" in registry():
+        return dsv41c.compile(model, passes=(*passes, "lower_sparse_attn"), strict=True, backend="passes_only",
+                              keep_code=True)
+    compiled = dsv41c.compile(model, passes=passes, strict=True, backend="passes_only", keep_code=True)
+    extra = LowerSparseAttn()
+    extra.strict = True
+    extra.bind(model)
+    compiled.pipeline.passes.append(ObservedPass(extra, compiled.snapshots, False, True))
+    compiled.pipeline.stats[extra.name] = PassStats(extra.name)
+    return compiled
+
+
+@pytest.mark.slow
+def test_lower_sparse_attn_whole_model(tmp_path_factory):
+    """The 3-layer tiny cut (Full, Reindex, Reuse), fp32 with kv_quant, compiled with fp4_kv and
+    lower_sparse_attn: every layer's attention is one kernel call reading the packed caches (the
+    decode step's window from the FP8 ring), and greedy tokens and logits follow eager kv_quant."""
+    from conftest import THREE_KINDS, record_tiny_cut
+
+    from dsv41c import golden
+    from dsv41c.weights import build_model
+
+    steps = 4
+    path = record_tiny_cut(tmp_path_factory.mktemp("sparse"), "sparse", steps, **THREE_KINDS, hc_sinkhorn_iters=1,
+                           candidate_block_size=1, engram_layer_ids=[], engram_num_embeddings=[])
+    g = golden.load_golden(path)
+    torch._dynamo.reset()
+    model = build_model(g.args, seed=g.seed, dtype=torch.float32, kv_quant=True)
+    compiled = compile_lowered(model, ("fp4_kv",))
+    eager = build_model(g.args, seed=g.seed, dtype=torch.float32, kv_quant=True)
+    eager_trace, eager_tokens = golden.run_greedy(eager, g.inputs, steps)
+    trace, tokens = golden.run_greedy(compiled, g.inputs, steps)
+    assert torch.equal(tokens, eager_tokens)
+    for a, b in ((trace.prefill_logits, eager_trace.prefill_logits),
+                 (trace.decode_logits, eager_trace.decode_logits)):
+        assert (a - b).abs().max() <= 1e-3 * b.abs().max()    # DESIGN.md: fp4_kv vs eager kv_quant
+    n = model.args.n_layers
+    for graph, op in ((1, "sparse_attn_packed"), (2, "sparse_attn_packed")):
+        snaps = {s.stage: s for s in compiled.snapshots if s.graph == graph}
+        after = snaps["lower_sparse_attn"].code
+        assert after.count(f"torch.ops.dsv41c.{op}.default(") == n, graph
+        assert "aten.gather" not in after and "fp4_e4m3_dequant" not in after
+    assert compiled.pipeline.stats["lower_sparse_attn"].matches == 2 * n
+
+
 # ------------------------------------------------------------------------------------- GPU
 
 def decode_inputs(b, h, d, n_c, g, window=128, topk=512):

@@ -31,12 +31,17 @@ dynamic.
 
 CUDA (sm_90a, wgmma through T.gemm): grid (S, B, H / HB); a CTA of 256 threads (two warpgroups)
 owns HB heads of one query token.  q [HB, d] sits in shared memory as bf16.  Per block of 64 list
-entries the CTA gathers the rows into shared memory as bf16 [64, d] (packed rows are decoded from
-their bytes on the way: each thread turns 8 codes and their scale into one 16-byte bf16 vector),
-then S = q K^T [HB, 64] (fp32 accumulation) and acc += bf16(p) V [HB, d] on the tensor cores.  KV
-is shared by all heads (MQA), so one gathered tile serves every head of the CTA.  HB = 64 heads is
-one wgmma M; the fp32 accumulator [64, 512] is 128 registers per thread.  Only bf16 runs on CUDA
-(the tensor cores take bf16 operands; an fp32 call raises).
+entries the CTA reads the 64 row numbers into shared memory, then gathers the rows into shared
+memory as bf16 [64, d] in two rounds; in a round each thread first issues all its loads (8 items
+of 8 values: 16 B of bf16, 8 B of FP8 codes or 4 B of packed E2M1, plus the scale byte), then
+decodes them (each item becomes one 16-byte bf16 vector) and stores them, so a round costs one
+memory latency.  Then S = q K^T [HB, 64] (fp32 accumulation) and acc += bf16(p) V [HB, d] on the
+tensor cores.  KV is shared by all heads (MQA), so one gathered tile serves every head of the CTA.
+HB = 64 heads is one wgmma M (fewer heads: zero rows, not stored); the fp32 accumulator [64, 512]
+is 128 registers per thread; 141 KB of shared memory, one CTA per SM.  The list is walked in
+order by one CTA, which keeps the reference's rounding of p exactly (a split of the list over
+CTAs would round p against a partial running max).  Only bf16 runs on CUDA (the tensor cores take
+bf16 operands; an fp32 call raises).
 """
 
 import functools
