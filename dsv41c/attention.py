@@ -79,6 +79,13 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
     return (acc / (den + torch.exp(sink - m)).unsqueeze(-1)).to(q.dtype)
 
 
+def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Indexer scores [B,S,N] = sum over heads h of relu(q[b,s,h] . keys[b,t]) * w[b,s,h] (spec
+    §6.5(d)), in torch's ops on the inputs' dtype: bf16 matmul, relu, product, sum over heads."""
+    scores = torch.einsum("bshd,btd->bsht", q, keys)
+    return (scores.relu() * w.unsqueeze(-1)).sum(dim=2)
+
+
 def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest scores along the last dim (unordered).
 
@@ -197,8 +204,7 @@ class Indexer(nn.Module):
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         q = self._fq(apply_rope(q, rope))
         w = self.weights_proj(x) * self.weight_scale
-        scores = torch.einsum("bshd,btd->bsht", q, keys)
-        scores = (scores.relu() * w.unsqueeze(-1)).sum(dim=2)
+        scores = index_scores(q, keys, w)
         visible_len = compress_len(state, ratio, x.device)                     # [S]
         if state.is_prefill:
             invisible = torch.arange(n_c, device=x.device) >= visible_len.unsqueeze(1)

@@ -53,6 +53,7 @@ from dsv41c.tilelang_kernels.quant import _e2m1_value, _e8m0_value, _store
 
 from dsv41c import quant
 from dsv41c.attention import Indexer, top_indices
+from dsv41c.attention import index_scores as eager_index_scores  # the op below is index_scores
 
 __all__ = ["BLOCK", "index_scores", "index_scores_ref", "index_topk", "index_topk_ref", "candidate_blocks",
            "candidate_blocks_ref", "expand_blocks", "build", "scores_prim_func", "select_prim_func"]
@@ -64,12 +65,6 @@ _KEY_POS_INF = 0xFF80  # order key of +inf
 
 
 # ------------------------------------------------------------------------------------- refs
-
-def _scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """§6.5(d) in the eager model's bf16 ops (the three lines of `Indexer.forward`)."""
-    scores = torch.einsum("bshd,btd->bsht", q, keys)
-    return (scores.relu() * w.unsqueeze(-1)).sum(dim=2)
-
 
 def _invisible(visible_len: torch.Tensor, n: int) -> torch.Tensor:
     return torch.arange(n, device=visible_len.device) >= visible_len.view(-1, 1)
@@ -84,7 +79,7 @@ def index_scores_ref(q, codes, scales, w, visible_len=None, cand_blocks=None, *,
     """What `index_scores` computes, from the eager code on the dequantised keys (same args)."""
     n = codes.shape[1] if n is None else n
     keys = quant.mxfp4_dequant_ref(codes[:, :n], scales[:, :n], torch.bfloat16)
-    scores = _scores(q, keys, w)
+    scores = eager_index_scores(q, keys, w)
     if visible_len is not None:
         scores = scores.masked_fill(_invisible(visible_len, n), float("-inf"))
     if cand_blocks is not None:
