@@ -281,7 +281,10 @@ def test_lower_sparse_attn_whole_model(tmp_path_factory):
         snaps = {s.stage: s for s in compiled.snapshots if s.graph == graph}
         after = snaps["lower_sparse_attn"].code
         assert after.count(f"torch.ops.dsv41c.{op}.default(") == n, graph
-        assert "aten.gather" not in after and "fp4_e4m3_dequant" not in after
+        # the eager scores and values einsums of every layer are gone
+        assert snaps["lower_sparse_attn"].counts.batched_gemms == snaps["fp4_kv"].counts.batched_gemms - 2 * n
+        for codec in ("fp4_e4m3_dequant", "fp8_dequant"):                          # the kernels read the bytes
+            assert f"torch.ops.dsv41c.{codec}.default(" not in after, (graph, codec)
     assert compiled.pipeline.stats["lower_sparse_attn"].matches == 2 * n
 
 
