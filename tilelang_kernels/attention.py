@@ -31,7 +31,8 @@ dynamic.
 
 CUDA (sm_90a, wgmma through T.gemm): grid (S, B, H / HB); a CTA of 256 threads (two warpgroups)
 owns HB heads of one query token.  q [HB, d] sits in shared memory as bf16.  Per block of 64 list
-entries the CTA reads the 64 row numbers into shared memory, then gathers the rows into shared
+entries the CTA puts the 64 row numbers into shared memory (loaded during the previous block's
+GEMMs), then gathers the rows into shared
 memory as bf16 [64, d] in two rounds; in a round each thread first issues all its loads (8 items
 of 8 values: 16 B of bf16, 8 B of FP8 codes or 4 B of packed E2M1, plus the scale byte), then
 decodes them (each item becomes one 16-byte bf16 vector) and stores them, so a round costs one
@@ -308,6 +309,13 @@ def _cuda_prim_func(kind, H, d, scale):
                                 KVs[r, c0 + j] = vl[j]
 
     @T.macro
+    def next_row(R, nxt, bb, bs, blk, tx):
+        """nxt[0] = list entry tx of block blk, -1 past the list (not used before the next block)."""
+        nxt[0] = -1
+        if blk * BLOCK + tx < K:
+            nxt[0] = R["IDX"][bb, bs, blk * BLOCK + tx]
+
+    @T.macro
     def attend(R, bs, bb, bh):
         tx = T.get_thread_binding()
         Qs = T.alloc_shared((HB, d), bf)
@@ -325,6 +333,7 @@ def _cuda_prim_func(kind, H, d, scale):
         ru = T.alloc_local((ig, vec), "uint8")  # loaded codes
         sb = T.alloc_local((ig,), "uint8")  # loaded scale bytes
         vl = T.alloc_local((vec,), bf)
+        nxt = T.alloc_local((1,), "int32")
         if H % HB == 0:
             T.copy(R["Q"][bb, bs, bh * HB:(bh + 1) * HB, :], Qs)
         else:  # the last CTA's missing heads are zero rows of the GEMM, never stored
@@ -338,14 +347,15 @@ def _cuda_prim_func(kind, H, d, scale):
         T.fill(acc, 0)
         T.fill(den, 0)
         T.fill(mrun, _f32_const(_NEG_BIG))
+        if tx < BLOCK:
+            next_row(R, nxt, bb, bs, 0, tx)
         for blk in T.serial(T.ceildiv(K, BLOCK)):
             if tx < BLOCK:
-                rowS[tx] = -1
-                if blk * BLOCK + tx < K:
-                    if R["IDX"][bb, bs, blk * BLOCK + tx] < rows_total:
-                        rowS[tx] = R["IDX"][bb, bs, blk * BLOCK + tx]
+                rowS[tx] = T.Select(nxt[0] < rows_total, nxt[0], -1)
             T.sync_threads()
             gather(R, KVs, rowS, rb, ru, sb, vl, bb, tx)
+            if tx < BLOCK:  # the next block's list entry, in flight during this block's GEMMs
+                next_row(R, nxt, bb, bs, blk + 1, tx)
             T.sync_threads()
             T.gemm(Qs, KVs, Sf, transpose_B=True, clear_accum=True)
             for h, i in T.Parallel(HB, BLOCK):
