@@ -32,17 +32,17 @@ dynamic.
 CUDA (sm_90a, wgmma through T.gemm): grid (S, B, H / HB); a CTA of 256 threads (two warpgroups)
 owns HB heads of one query token.  q [HB, d] sits in shared memory as bf16.  Per block of 64 list
 entries the CTA puts the 64 row numbers into shared memory (loaded during the previous block's
-GEMMs), then gathers the rows into shared
-memory as bf16 [64, d] in two rounds; in a round each thread first issues all its loads (8 items
-of 8 values: 16 B of bf16, 8 B of FP8 codes or 4 B of packed E2M1, plus the scale byte), then
-decodes them (each item becomes one 16-byte bf16 vector) and stores them, so a round costs one
-memory latency.  Then S = q K^T [HB, 64] (fp32 accumulation) and acc += bf16(p) V [HB, d] on the
-tensor cores.  KV is shared by all heads (MQA), so one gathered tile serves every head of the CTA.
-HB = 64 heads is one wgmma M (fewer heads: zero rows, not stored); the fp32 accumulator [64, 512]
-is 128 registers per thread; 141 KB of shared memory, one CTA per SM.  The list is walked in
-order by one CTA, which keeps the reference's rounding of p exactly (a split of the list over
-CTAs would round p against a partial running max).  Only bf16 runs on CUDA (the tensor cores take
-bf16 operands; an fp32 call raises).
+GEMMs), then gathers the rows into shared memory as bf16 [64, d]: each thread first issues all its
+loads (16 items of 8 values: 16 B of bf16, 8 B of FP8 codes or 4 B of packed E2M1, plus the scale
+byte), then decodes them (each item becomes one 16-byte bf16 vector) and stores them, so the
+gather costs one memory latency (two rounds of 8 items for bf16 window rows with FP4 rows, whose
+registers would not fit beside the accumulator).  Then S = q K^T [HB, 64] (fp32 accumulation)
+and acc += bf16(p) V [HB, d] on the tensor cores.  KV is shared by all heads (MQA), so one
+gathered tile serves every head of the CTA.  HB = 64 heads is one wgmma M (fewer heads: zero
+rows, not stored); the fp32 accumulator [64, 512] is 128 registers per thread; 141 KB of shared
+memory, one CTA per SM.  The list is walked in order by one CTA, which keeps the reference's
+rounding of p exactly (a split of the list over CTAs would round p against a partial running
+max).  Only bf16 runs on CUDA (the tensor cores take bf16 operands; an fp32 call raises).
 """
 
 import functools
@@ -63,7 +63,9 @@ BLOCK = 64  # list entries per online-softmax step (§6.8)
 KINDS = ("plain", "packed_rows", "packed_fp8")  # kv rows; packed with a plain window; packed with an FP8 ring
 _CUDA_THREADS = 256
 _CUDA_HEADS = 64  # heads per CTA (one wgmma M)
-_GATHER_GROUPS = 2  # CUDA: rounds of loads per gathered block
+# CUDA: rounds of loads per gathered block; one round keeps 16 items of raw bytes in registers, which
+# fits beside the accumulator except for bf16 window rows plus FP4 rows (that build spills at d=512)
+_GATHER_GROUPS = {"plain": 1, "packed_rows": 2, "packed_fp8": 1}
 _NEG_BIG = -1e30
 
 
@@ -250,14 +252,15 @@ def _cuda_prim_func(kind, H, d, scale):
     assert d % 64 == 0 and BLOCK * per_row % threads == 0
     bf = "bfloat16"
 
-    ig = items // _GATHER_GROUPS  # loads a thread has in flight before it uses any of them
+    groups = _GATHER_GROUPS[kind]
+    ig = items // groups  # loads a thread has in flight before it uses any of them
 
     @T.macro
     def gather(R, KVs, rowS, rb, ru, sb, vl, bb, tx):
         """The rows named in rowS (-1: none) into KVs [BLOCK, d] as bf16 (zeros for none), in
-        _GATHER_GROUPS rounds: first every load of the round (raw bytes into registers), then the
+        `groups` rounds: first every load of the round (raw bytes into registers), then the
         decoding and the shared-memory stores, so a round costs one memory latency."""
-        for grp in T.unroll(_GATHER_GROUPS):
+        for grp in T.unroll(groups):
             for u in T.unroll(ig):
                 r = ((grp * ig + u) * threads + tx) // per_row
                 c0 = ((grp * ig + u) * threads + tx) % per_row * vec
