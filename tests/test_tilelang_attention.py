@@ -150,7 +150,7 @@ def test_bad_arguments():
 def test_opcheck():
     g = torch.Generator().manual_seed(fresh_seed())
     b, s, h, d, n_w, n_c, k = 1, 2, 4, D_CPU, 20, 100, 70
-    for dtype, fp8 in PACKED_CASES[1:]:
+    for dtype, fp8 in (PACKED_CASES[0], PACKED_CASES[2]):  # window rows (scales None) and the FP8 ring
         args = packed_inputs(b, s, h, d, n_w, n_c, k, dtype, fp8, g)
         torch.library.opcheck(torch.ops.dsv41c.sparse_attn_packed.default, (*args, SCALE))
     q = torch.randn(2, 3, 4, D_CPU, generator=g)
