@@ -288,6 +288,37 @@ def test_lower_sparse_attn_whole_model(tmp_path_factory):
     assert compiled.pipeline.stats["lower_sparse_attn"].matches == 2 * n
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", A.KINDS)
+def test_cuda_build_lowers_for_sm90a(kind, tmp_path):
+    """Without a GPU: the CUDA build at the released dims lowers for sm_90a to wgmma code, and where
+    nvcc is found (PATH, or CUDA_HOME/bin) it compiles to a cubin without register spills."""
+    import os
+    import re
+    import shutil
+    import subprocess
+
+    import tilelang
+    import tvm
+    from tilelang.engine import lower
+
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+    with target:
+        source = lower(A.attention_prim_func(kind, "bfloat16", 64, 512, 512**-0.5, "cuda"), target=target).kernel_source
+    assert "wgmma" in source
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    nvcc = shutil.which("nvcc") or (cuda_home and shutil.which("nvcc", path=os.path.join(cuda_home, "bin")))
+    if not nvcc:
+        return
+    root = os.path.dirname(tilelang.__file__)
+    (tmp_path / "k.cu").write_text(source)
+    out = subprocess.run([nvcc, "-cubin", "-arch=sm_90a", "-std=c++17", "-O3", "-DENABLE_BF16", "-w", "-Xptxas", "-v",
+                          f"-I{root}/src", f"-I{root}/3rdparty/cutlass/include", "-o", str(tmp_path / "k.cubin"),
+                          str(tmp_path / "k.cu")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert re.search(r"\b0 bytes spill stores", out.stderr), out.stderr[-2000:]
+
+
 # ------------------------------------------------------------------------------------- GPU
 
 def decode_inputs(b, h, d, n_c, g, window=128, topk=512):
