@@ -201,7 +201,7 @@ class _Rewrite:
         funnel = site in self.funnels
         if funnel and getattr(module, "block_size", None) != BLOCK:
             raise Mismatch(f"candidate block size {getattr(module, 'block_size', None)}, the kernels' is {BLOCK}")
-        mask_out = self._mask_output(site, _val(keys).shape[1]) if funnel else None
+        mask_out = self._mask_output(site, _val(out)) if funnel else None
         n = self._sym(_val(keys).shape[1], "n")
         k = self._sym(_val(out).shape[-1], "k")
         first = min((o for o in (out, mask_out) if o is not None), key=self._order().__getitem__)
@@ -215,8 +215,12 @@ class _Rewrite:
                 bm = self._node(operator.getitem, (scores, 1))
                 keep = self._node(torch.ops.dsv41c.candidate_blocks.default, (bm, vl32),
                                   {"topk_blocks": module.topk_blocks})
-                flags = self._node(aten.repeat_interleave.self_int, (keep, BLOCK, -1))
-                mask = self._node(aten.slice.Tensor, (flags, 2, 0, n))
+                mask = self._node(aten.repeat_interleave.self_int, (keep, BLOCK, -1))
+                if str(_val(mask).shape[-1]) != str(_val(mask_out).shape[-1]):
+                    mask = self._node(aten.slice.Tensor, (mask, 2, 0, self._sym(_val(mask_out).shape[-1], "n")))
+                if str(_val(mask).shape) != str(_val(mask_out).shape):
+                    raise Mismatch(f"the candidate mask is {tuple(_val(mask_out).shape)}, the kernel's "
+                                   f"{tuple(_val(mask).shape)}")
                 self.blocks[mask] = keep
             idx = self._node(torch.ops.dsv41c.index_topk.default, (sc, vl32), {"k": k, "offset": offset})
         if _val(idx).shape != _val(out).shape:
@@ -241,10 +245,11 @@ class _Rewrite:
             raise Mismatch(f"expected one int32 [B,S,k] output, found {len(outs)}")
         return outs[0]
 
-    def _mask_output(self, site: Site, n) -> fx.Node:
-        """The candidate source's entry mask: its one bool [B,S,n] value read outside it."""
+    def _mask_output(self, site: Site, out: torch.Tensor) -> fx.Node:
+        """The candidate source's entry mask: its one bool [B,S,*] value read outside it (the
+        entries n, or all nb * 8 where the graph is specialised to n % 8 == 0 and the cut is gone)."""
         outs = [o for o in site.outputs if _val(o) is not None and _val(o).dtype == torch.bool
-                and _val(o).dim() == 3 and str(_val(o).shape[-1]) == str(n)
+                and _val(o).dim() == 3 and str(tuple(_val(o).shape[:2])) == str(tuple(out.shape[:2]))
                 and any(u not in site.nodes for u in o.users)]
         if len(outs) != 1:
             raise Mismatch(f"expected one bool [B,S,n] candidate mask output, found {len(outs)}")
