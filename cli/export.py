@@ -13,7 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from rich.table import Table
 
 import dsv41c
-from dsv41c.cli.run import CHECKPOINT_CONFIG, TORCH_DTYPES, DType, require_file
+from dsv41c.cli.run import CHECKPOINT_CONFIG, TORCH_DTYPES, Device, DType, require_file, resolve_device
 from dsv41c.compiler import DEFAULT_PASSES
 from dsv41c.errors import InputError
 from dsv41c.export import check_out_dir, period_of, program_specs
@@ -41,18 +41,22 @@ def export_command(
     kv_quant: bool = typer.Option(False, "--kv-quant/--no-kv-quant",
                                   help="Apply the official KV fake-quantisation in the exported programs."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random weights (with --config)."),
+    device: Optional[Device] = typer.Option(
+        None, "--device", show_default="cuda if available, else cpu",
+        help="The device the packages are compiled for; they load only on such a device (CUDA: the same arch)."),
 ) -> None:
     """Export the model to DIR: AOTInductor packages of the prefill (dynamic prompt length) and
     the decode step, compiled with the same passes as `dsv41c compile`, the tokenizer and
     manifest.json (config, passes and their matches, versions, bounds, sha256 of every file).
 
-    Runs on CPU; the AOTInductor compile takes minutes per package on one core. Load it with
+    The AOTInductor compile takes minutes per package (on CPU, on one core). Load it with
     `dsv41c run --artifact DIR`.
     """
     if model_dir is not None and config is not None:
         raise InputError(f"--model {model_dir} and --config {config}: a checkpoint carries its own config, "
                          "give one of them")
     check_out_dir(out)
+    target = resolve_device(device)
     if model_dir is not None:
         if not (model_dir / CHECKPOINT_CONFIG).is_file():
             raise InputError(f"--model {model_dir}: expected a checkpoint directory with {CHECKPOINT_CONFIG}")
@@ -81,11 +85,11 @@ def export_command(
 
         if model_dir is not None:
             stage(f"loading {model_dir}")
-            model = dsv41c.load_model(model_dir, dtype=TORCH_DTYPES[dtype], kv_quant=kv_quant)
+            model = dsv41c.load_model(model_dir, dtype=TORCH_DTYPES[dtype], kv_quant=kv_quant, device=target)
             source = {"checkpoint": model_dir.name}
         else:
             stage(f"building {config} (seed {seed})")
-            model = dsv41c.build_model(args, seed=seed, dtype=TORCH_DTYPES[dtype], kv_quant=kv_quant)
+            model = dsv41c.build_model(args, seed=seed, dtype=TORCH_DTYPES[dtype], kv_quant=kv_quant, device=target)
             source = {"config": config.name, "seed": seed}
         with torch.no_grad():
             dsv41c.export(model, out, names, strict, max_prompt_len=max_prompt_len, source=source, on_stage=stage)
@@ -93,7 +97,8 @@ def export_command(
 
     from dsv41c.export import read_manifest
     manifest = read_manifest(out)
-    con.print(f"{out}: exported in {seconds:.0f} s (torch {manifest['versions']['torch']}, "
+    con.print(f"{out}: exported for {manifest['device'].get('name', 'cpu')} in {seconds:.0f} s "
+              f"(torch {manifest['versions']['torch']}, "
               f"pipeline {manifest['passes']['uuid'][:12]})", soft_wrap=True)
     con.print(programs_table(manifest))
 

@@ -131,6 +131,16 @@ def decode_marker(start_pos: int, period: int, device) -> torch.Tensor:
     return torch.empty(start_pos // period, 0, device=device)
 
 
+def target_of(device: torch.device) -> dict[str, str]:
+    """The device a package is compiled for: {"type": "cpu"} or the CUDA device's name and arch."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return {"type": "cuda", "name": torch.cuda.get_device_name(device), "arch": f"sm_{major}{minor}"}
+    if device.type == "cpu":
+        return {"type": "cpu"}
+    raise InputError(f"export: no AOTInductor target for a model on {device} (cpu or cuda)")
+
+
 # ------------------------------------------------------------------------------ export
 @dataclass
 class ProgramSpec:
@@ -169,19 +179,20 @@ def _dim_range(ep, placeholder: str, dim: int, period: int, residue: int) -> tup
 
 def _export_program(model: Transformer, spec: ProgramSpec, caches: list[torch.Tensor], max_prompt_len: int):
     from torch.export import Dim
-    args, p, r = model.args, spec.period, spec.residue
+    args, p, r, dev = model.args, spec.period, spec.residue, model.device
     if spec.phase == "prefill":
         k_max = (max_prompt_len - r) // p
         k_ex = max(2, k_max // 2)
-        example = (torch.zeros(BATCH, k_ex, p, dtype=torch.long), torch.zeros(BATCH, r, dtype=torch.long), caches)
+        example = (torch.zeros(BATCH, k_ex, p, dtype=torch.long, device=dev),
+                   torch.zeros(BATCH, r, dtype=torch.long, device=dev), caches)
         shapes = {"body": {1: Dim.AUTO(min=1, max=k_max)}, "tail": None, "caches": [None] * len(caches)}
-        ep = torch.export.export(PrefillStep(model, p, r), example, dynamic_shapes=shapes)
+        ep = torch.export.export(PrefillStep(model, p, r), example, dynamic_shapes=shapes, strict=True)
         return ep, _dim_range(ep, "body", 1, p, r)
     k_max = (args.max_seq_len - 1 - r) // p
     k_ex = max(2, k_max // 2)
-    example = (torch.zeros(BATCH, 1, dtype=torch.long), torch.empty(k_ex, 0), caches)
+    example = (torch.zeros(BATCH, 1, dtype=torch.long, device=dev), torch.empty(k_ex, 0, device=dev), caches)
     shapes = {"ids": None, "marker": {0: Dim.AUTO(min=1, max=k_max)}, "caches": [None] * len(caches)}
-    ep = torch.export.export(DecodeStep(model, p, r), example, dynamic_shapes=shapes)
+    ep = torch.export.export(DecodeStep(model, p, r), example, dynamic_shapes=shapes, strict=True)
     return ep, _dim_range(ep, "marker", 0, p, r)
 
 
@@ -225,8 +236,9 @@ def check_out_dir(path: Path, option: str = "--out") -> None:
 def export(model: Transformer, out: str | os.PathLike, passes: Sequence[str] | None = DEFAULT_PASSES,
            strict: bool = False, *, max_prompt_len: int | None = None, source: dict | None = None,
            on_stage: Callable[[str], None] | None = None) -> Path:
-    """Export `model` (CPU) to the artifact directory `out` (new or empty), built in a temp directory
-    beside it and renamed into place: `out` is complete or absent.
+    """Export `model` to the artifact directory `out` (new or empty), built in a temp directory
+    beside it and renamed into place: `out` is complete or absent. The packages are compiled for
+    the model's device (CPU, or the CUDA device it is on) and load only on such a device.
 
     passes: the pass pipeline, as for `dsv41c.compile` (strict: a pass that matches nothing is an
     error); max_prompt_len: the largest prompt the prefill accepts (default max_seq_len); source:
@@ -235,8 +247,7 @@ def export(model: Transformer, out: str | os.PathLike, passes: Sequence[str] | N
     """
     out = Path(out)
     check_out_dir(out)
-    if model.device.type != "cpu":
-        raise InputError(f"export: expected a CPU model, found one on {model.device}")
+    target = target_of(model.device)
     args = model.args
     max_prompt_len = args.max_seq_len if max_prompt_len is None else max_prompt_len
     if not 1 <= max_prompt_len <= args.max_seq_len:
@@ -244,6 +255,8 @@ def export(model: Transformer, out: str | os.PathLike, passes: Sequence[str] | N
     stage = on_stage or (lambda _: None)
     names = list(passes or ())
     specs = program_specs(period_of(args))
+    # bound before tracing: a pass may change what the model holds (fp4_kv: packed caches)
+    build_pipeline(names, strict).bind(model)
     caches = [b.detach().clone() for n, b in model.named_buffers() if n.startswith(CACHE_PREFIX)]
     tmp = Path(tempfile.mkdtemp(dir=out.absolute().parent, prefix=f".{out.name}."))
     try:
@@ -269,7 +282,7 @@ def export(model: Transformer, out: str | os.PathLike, passes: Sequence[str] | N
             custom_ops |= set(_custom_ops(tmp / spec.file))
         stage("writing the tokenizer and the manifest")
         model.tokenizer.backend.save(str(tmp / TOKENIZER_FILE))
-        manifest = _manifest(model, specs, names, strict, uuid, sorted(custom_ops), source, tmp)
+        manifest = _manifest(model, specs, names, strict, uuid, sorted(custom_ops), source, target, tmp)
         (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
         tmp.chmod(0o755)
         if out.is_dir():
@@ -282,7 +295,7 @@ def export(model: Transformer, out: str | os.PathLike, passes: Sequence[str] | N
 
 
 def _manifest(model: Transformer, specs: list[ProgramSpec], passes: list[str], strict: bool, uuid: str,
-              custom_ops: list[str], source: dict | None, root: Path) -> dict[str, Any]:
+              custom_ops: list[str], source: dict | None, target: dict[str, str], root: Path) -> dict[str, Any]:
     tok = model.tokenizer
     dtype = next(k for k, v in DTYPES.items() if v == model.dtype)
     prefill = [s for s in specs if s.phase == "prefill"]
@@ -295,7 +308,7 @@ def _manifest(model: Transformer, specs: list[ProgramSpec], passes: list[str], s
                   "source": source or {}},
         "passes": {"names": passes, "strict": strict, "uuid": uuid},
         "versions": versions(),
-        "device": "cpu",
+        "device": target,
         "batch": BATCH,
         "bounds": {"prompt_len": [max(s.lo for s in prefill), min(s.hi for s in prefill)],
                    "decode_pos": [max(s.lo for s in decode), min(s.hi for s in decode)]},
@@ -402,12 +415,14 @@ class Artifact:
                  for n, b in self.cache.named_buffers()]
         if found != manifest["cache"]:
             raise _bad(root, f"cache: the packages expect {manifest['cache']}, this dsv41c builds {found}")
+        self._device = torch.device(manifest["device"]["type"])
+        self.cache.to(self._device)
         self.caches = [b for _, b in self.cache.named_buffers()]
         self.reset_cache()
 
     @property
     def device(self) -> torch.device:
-        return torch.device("cpu")
+        return self._device
 
     def reset_cache(self) -> None:
         self.cache.reset()
@@ -444,6 +459,7 @@ class Artifact:
             raise InputError(f"input_ids: the artifact is exported for batch {BATCH}, found batch {b}")
         if s and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.args.vocab_size):
             raise InputError(f"input_ids: token ids outside the vocabulary 0..{self.args.vocab_size - 1}")
+        input_ids = input_ids.to(self._device)
         if start_pos == 0:
             run = self._program("prefill", s)
             return run(*prefill_inputs(input_ids, self.period), self.caches)
@@ -454,13 +470,26 @@ class Artifact:
         return run(input_ids, decode_marker(start_pos, self.period, input_ids.device), self.caches)
 
 
+def _check_device(root: Path, target) -> None:
+    """The packages run only on the kind of device they were compiled for (CUDA: the same arch)."""
+    if not isinstance(target, dict) or target.get("type") not in ("cpu", "cuda"):
+        raise _bad(root, f"device: expected {{'type': 'cpu' | 'cuda', ...}}, found {target!r}")
+    if target["type"] == "cuda":
+        if not torch.cuda.is_available():
+            raise ArtifactError(f"{root}: exported for CUDA ({target.get('name')}, {target.get('arch')}); "
+                                "this process has no CUDA device (re-export on CPU to run here)")
+        here = target_of(torch.device("cuda"))
+        if here["arch"] != target.get("arch"):
+            raise ArtifactError(f"{root}: exported for {target.get('arch')} ({target.get('name')}); this "
+                                f"device is {here['arch']} ({here['name']}): re-export on it")
+
+
 def load_artifact(path: str | os.PathLike) -> Artifact:
     """Verify an exported artifact (hashes, versions, custom ops) and load its packages; nothing
     is compiled. Raises ArtifactError naming the file and what is wrong."""
     root = Path(path)
     manifest = verify(root)
-    if manifest.get("device") != "cpu":
-        raise _bad(root, f"device: expected 'cpu' (the only exported target), found {manifest.get('device')!r}")
+    _check_device(root, manifest.get("device"))
     _register_custom_ops(root, list(manifest.get("custom_ops", [])))
     tok = manifest["tokenizer"]
     tokenizer = Tokenizer.from_file(root / tok["file"], bos_id=tok.get("bos_id"), pad_id=tok.get("pad_id"),

@@ -55,7 +55,7 @@ from torch import fx
 
 from dsv41c.passes import provenance
 from dsv41c.passes.manager import GraphPass, PassError, PassStats
-from dsv41c.passes.provenance import Site, is_constant, shape
+from dsv41c.passes.provenance import Site, is_constant, is_size, shape
 
 aten = torch.ops.aten
 QUANT_FILE = "dsv41c/quant.py"
@@ -140,7 +140,7 @@ class PackedKV(GraphPass):
             stats.details += [describe(m) for m in members]
             self.counts[direction, fmt] += len(members)
         stats.matches = len(stats.details)
-        graph.eliminate_dead_code()
+        provenance.prune(graph)
         left = [n for n in graph.nodes if is_cache_codec(n) and n not in rewrite.operands]
         if left and not missed:
             missed.append(f"{len(left)} codec op(s) outside any site, first {left[0].name}")
@@ -213,7 +213,10 @@ class _Rewrite:
         call = self._call(target, args, fake, before=outs[0])
         for out in outs:
             out.replace_all_uses_with(call)
-        self.operands.update(n for n in ins if n in site.nodes)
+        for n in ins:                              # the row slices kept as operands, whole chains
+            while n in site.nodes and n.target is aten.slice.Tensor:
+                self.operands.add(n)
+                n = n.args[0]
 
     def _tensors(self, nodes, count: int, what: str) -> list[fx.Node]:
         found = [n for n in nodes if _is_data(n)]
@@ -275,7 +278,7 @@ def _merged(graph: fx.Graph, members: list[Site]) -> Site:
     merged = Site(members[0].key, set().union(*(m.nodes for m in members)))
     order = {n: i for i, n in enumerate(graph.nodes)}
     ins = {a for n in merged.nodes for a in n.all_input_nodes if a not in merged.nodes}
-    outs = {n for n in merged.nodes if any(u not in merged.nodes for u in n.users)}
+    outs = {n for n in merged.nodes if any(u not in merged.nodes and not is_size(u) for u in n.users)}
     merged.inputs, merged.outputs = sorted(ins, key=order.__getitem__), sorted(outs, key=order.__getitem__)
     return merged
 

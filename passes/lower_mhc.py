@@ -108,7 +108,7 @@ class LowerMHC(GraphPass):
         # a kernel call sits after its last input; Inductor's reordering may have placed a reader
         # of an mHC output before that point, so restore a topological order (stable otherwise)
         stable_topological_sort(graph)
-        graph.eliminate_dead_code()
+        provenance.prune(graph)
         remaining = [n for n in graph.nodes if n.op == "call_function" and _site_key(n) is not None]
         if remaining:
             raise PassError(f"lower_mhc: {len(remaining)} eager mHC op(s) still in the graph, first "
@@ -274,7 +274,9 @@ class _Rewrite:
         if len(post) != 1:  # no expand reads it here: post = 2 sigmoid(.), pre = sigmoid(.) + eps
             post = [n for n in vec if n.target is aten.mul.Tensor]
         if len(comb) != 1 or len(vec) != 2 or len(post) != 1:
-            raise PassError(f"lower_mhc: {mixes.describe()} does not output one pre, post and comb")
+            found = ", ".join(f"{n.name} ({n.target}, {_shape(n)})" for n in mixes.outputs)
+            raise PassError(f"lower_mhc: {mixes.describe()} does not output one pre, post and comb; "
+                            f"its outputs: {found}")
         pre = next(n for n in vec if n is not post[0])
         for old, new in zip((pre, post[0], comb[0]), outs, strict=True):
             self._replace(old, new)

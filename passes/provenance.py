@@ -27,15 +27,28 @@ def frames(node: fx.Node) -> list[tuple[str, str, str, str]]:
     return FRAME.findall(node.meta.get("stack_trace") or "")
 
 
+# torch.export traces a wrapper around the model (dsv41c.export's programs), which holds it as `model`
+_EXPORT_ROOTS = ("dsv41c.export.PrefillStep", "dsv41c.export.DecodeStep")
+
+
 def module_of(node: fx.Node) -> str:
     """The model submodule the node was traced in ("layers.0.attn"), "" for the model itself."""
-    stack = node.meta.get("nn_module_stack") or {}
-    return _MODULE_PREFIX.sub("", list(stack.values())[-1][0]) if stack else ""
+    stack = list((node.meta.get("nn_module_stack") or {}).values())
+    if not stack:
+        return ""
+    path = _MODULE_PREFIX.sub("", stack[-1][0])
+    root = stack[0][1]
+    root = root if isinstance(root, str) else f"{root.__module__}.{root.__qualname__}"
+    if root in _EXPORT_ROOTS:
+        path = "" if path == "model" else path.removeprefix("model.")
+    return path
 
 
 def site_key(node: fx.Node, source: str, functions: Collection[str]) -> tuple | None:
     """(module path, eager frames up to the call, function) of the outermost frame of `node` that
     is one of `functions` in a file ending with `source`, else None."""
+    if is_size(node):                             # a size read belongs to no call (_reread_sym_sizes)
+        return None
     found = frames(node)
     for i, (path, _, func, _) in enumerate(found):
         if path.replace("\\", "/").endswith(source) and func in functions:
@@ -100,6 +113,7 @@ def find_sites(graph: fx.Graph, key: Callable[[fx.Node], tuple | None],
             if all(owner.get(a) is home or is_constant(a) for a in node.all_input_nodes):
                 owner[node] = home
                 changed = True
+    _reread_sym_sizes(graph, owner)
     for node, site in owner.items():
         site.nodes.add(node)
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -107,8 +121,59 @@ def find_sites(graph: fx.Graph, key: Callable[[fx.Node], tuple | None],
         ins, outs = set(), set()
         for node in site.nodes:
             ins.update(a for a in node.all_input_nodes if a not in site.nodes)
-            if any(u not in site.nodes for u in node.users):
+            if any(u not in site.nodes and not is_size(u) for u in node.users):  # sizes: `prune`
                 outs.add(node)
         site.inputs = sorted(ins, key=order.__getitem__)
         site.outputs = sorted(outs, key=order.__getitem__)
     return sorted(sites.values(), key=lambda s: min(order[n] for n in s.nodes))
+
+
+def _sym_expr(v):
+    return v.node.expr if isinstance(v, torch.SymInt) else None
+
+
+def _reread_sym_sizes(graph: fx.Graph, owner: dict) -> None:
+    """A dynamic graph from torch.export reads a symbolic size (`aten.sym_size.int`) off whichever
+    tensor has it, often one inside a site, whose replacement would then keep the site alive. Such
+    a read is moved to the earliest tensor outside every site with the same size, and the size node
+    is never a member of a site (`site_key`); where no such tensor precedes it, it keeps reading the
+    site's tensor, which is then a site output like any other."""
+    seen: dict = {}                                # size expression -> (node, dim), earliest first
+    for node in graph.nodes:
+        if is_size(node) and node.args[0] in owner:
+            expr = _sym_expr(node.meta.get("val"))
+            if expr is not None and expr in seen:
+                node.args = seen[expr]
+        if node not in owner and isinstance(node.meta.get("val"), torch.Tensor):
+            for d, size in enumerate(node.meta["val"].shape):
+                expr = _sym_expr(size)
+                if expr is not None:
+                    seen.setdefault(expr, (node, d))
+
+
+def is_size(node: fx.Node) -> bool:
+    """A symbolic size read (`aten.sym_size.int`), which keeps no site alive (see `prune`)."""
+    return node.op == "call_function" and node.target is torch.ops.aten.sym_size.int
+
+
+def prune(graph: fx.Graph) -> None:
+    """Dead-code elimination after a rewrite. A replaced node that only symbolic size reads still
+    use (a site's outputs exclude them) has its sizes re-read from the earliest preceding tensor of
+    the same size, often the kernel call's output, so that it goes too."""
+    live = {n for n in graph.nodes if n.op == "output"}
+    for node in reversed(graph.nodes):            # nodes something other than a size read needs
+        if node in live or node.op != "call_function" or node.is_impure():
+            live.add(node)
+            if not is_size(node):
+                live.update(node.all_input_nodes)
+    seen: dict = {}
+    for node in graph.nodes:
+        if is_size(node) and node.args[0] not in live:
+            found = seen.get(_sym_expr(node.meta.get("val")))
+            if found is not None:
+                node.args = found
+        if node in live and isinstance(node.meta.get("val"), torch.Tensor):
+            for d, size in enumerate(node.meta["val"].shape):
+                if _sym_expr(size) is not None:
+                    seen.setdefault(_sym_expr(size), (node, d))
+    graph.eliminate_dead_code()

@@ -78,6 +78,7 @@ def test_manifest_records_the_pipeline_its_matches_versions_bounds_and_hashes(ex
     assert m["passes"] == {"names": list(DEFAULT_PASSES), "strict": True,
                            "uuid": build_pipeline(DEFAULT_PASSES, True).uuid()}
     assert m["versions"]["torch"] == torch.__version__ and m["versions"]["dsv41c"] == dsv41c.__version__
+    assert m["device"] == {"type": "cpu"}
     assert [p["file"] for p in m["programs"]] == ["prefill.pt2", "decode.pt2"]
     for p in m["programs"]:
         # wq_a + wkv of every layer fused, in the graph AOTInductor compiled (not a cache hit)
@@ -175,6 +176,18 @@ def test_a_version_mismatch_is_refused(exported, tmp_path, key):
         load_artifact(art)
 
 
+def test_packages_for_another_device_are_refused_before_loading(exported, tmp_path):
+    """A CUDA export loads only on a CUDA device of its arch (sm_1 exists nowhere)."""
+    _, artifact = exported
+    copy = copy_of(artifact, tmp_path)
+    m = manifest_of(copy)
+    m["device"] = {"type": "cuda", "name": "a GPU", "arch": "sm_1"}
+    (copy / MANIFEST_FILE).write_text(json.dumps(m))
+    want = "re-export on it" if torch.cuda.is_available() else "has no CUDA device"
+    with pytest.raises(ArtifactError, match=want):
+        load_artifact(copy)
+
+
 def test_prompts_and_positions_beyond_the_bounds_are_input_errors(exported):
     model, artifact = exported
     loaded = load_artifact(artifact)
@@ -227,3 +240,24 @@ def test_a_second_export_is_the_same_apart_from_timestamps_and_library_bytes(exp
     assert a == b
     assert load_artifact(second)(torch.arange(8).view(1, 8), 0).argmax() == load_artifact(first)(
         torch.arange(8).view(1, 8), 0).argmax()
+
+
+# ------------------------------------------------------------------------------ CUDA
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_export_with_every_pass_generates_the_eager_tokens(tmp_path):
+    """The cut exported on the GPU with fuse_wqa_wkv, lower_mhc and fp4_kv (packed caches, the
+    TileLang kernels inside the packages), loaded in a fresh process: the greedy tokens of eager
+    with the same KV numerics."""
+    passes = ("fuse_wqa_wkv", "lower_mhc", "fp4_kv")
+    model = dsv41c.build_model(cut_args(), seed=0, kv_quant=True, device="cuda")
+    artifact = dsv41c.export(model, tmp_path / "artifact", passes, strict=True, max_prompt_len=MAX_PROMPT)
+    m = manifest_of(artifact)
+    assert m["device"]["type"] == "cuda" and m["device"]["arch"].startswith("sm_")
+    assert {"mhc_post_pre", "fp4_e4m3_quant"} <= set(m["custom_ops"]), m["custom_ops"]
+    proc = subprocess.run([sys.executable, "-c", LOAD_AND_GENERATE, str(artifact), PROMPT, str(NEW_TOKENS)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loaded = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert loaded["compiled_graphs"] == 0
+    assert loaded["new_ids"] == generate(model, loaded["ids"], NEW_TOKENS).new_ids

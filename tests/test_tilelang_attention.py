@@ -360,7 +360,7 @@ def test_sparse_attn_packed_prefill_gpu():
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     b, s, h, d, n_w, n_c, k = 2, 96, 64, 512, 96, 300, 200
-    args = tuple(t.cuda() for t in packed_inputs(b, s, h, d, n_w, n_c, k, torch.bfloat16, False, g))
+    args = tuple(None if t is None else t.cuda() for t in packed_inputs(b, s, h, d, n_w, n_c, k, torch.bfloat16, False, g))
     scale = d**-0.5
     out = A.sparse_attn_packed(*args, scale)
     check(out, A.sparse_attn_packed_ref(*args, scale), decoded_rows(*args[1:5], torch.bfloat16), args[0], k,

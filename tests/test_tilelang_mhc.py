@@ -223,7 +223,7 @@ def test_cuda_build_lowers_for_sm90():
     with tilelang.tvm.target.Target(tgt):
         src = tilelang.lower(main, target=tgt).kernel_source
     assert "wgmma" in src and "__shfl_xor_sync" in src
-    assert "*(uint4*)(xa" in src and "*(uint4*)(xb" in src and "*(uint4*)(HN" in src and "*(uint4*)(X" in src
+    assert "*(uint4*)(xl" in src and "*(uint4*)(HN" in src and "*(uint4*)(X" in src
     assert "__fmul_rn" in src and "__fadd_rn" in src
     assert "fma" not in src  # no explicit fused multiply-add either
 

@@ -26,15 +26,11 @@ CPU (C target): one program per token, scalar loops; bf16 travels as its uint16 
 
 CUDA (sm_90a: wgmma needs the arch-specific target), two launches for the mixing ops:
   1. `main`: grid (token tiles of TB=64, K splits of D), 128 threads (one warpgroup).  A CTA walks
-     its D range in chunks of DC=32 columns of all m streams.  Per chunk each thread owns 16
-     consecutive columns of one token (bf16: two 16-byte vectors per row; fp32 streams: 8 columns
-     of two tokens): it loads res and y, forms h_new, stores h_new and x (each the only time those
-     bytes move), adds h_new^2 to a per-token register sum, and stages h_new as bf16 into shared
-     memory (fp32 streams: three bf16 pieces, hi + mid + lo, which represent the fp32 value to
-     2^-24).  The token's coefficients (post, comb, pre_delayed) are loaded into registers once.
-     bf16 streams are loaded into two register sets in turn: the next chunk's loads are issued
-     before the current chunk is computed, so every thread keeps a chunk of loads in flight
-     while it computes (fp32 streams: one set; two would spill).  fn's chunk is read once per CTA
+     its D range in chunks of DC=32 columns of all m streams.  Per chunk each thread owns 8
+     consecutive columns (a 16-byte bf16 vector) of two tokens: it loads res and y, forms h_new,
+     stores h_new and x (each the only time those bytes move), adds h_new^2 to a per-token
+     register sum, and stages h_new as bf16 into shared memory (fp32 streams: three bf16 pieces,
+     hi + mid + lo, which represent the fp32 value to 2^-24).  fn's chunk is read once per CTA
      (so each fn element serves 64 tokens from L2) and split the same way into three bf16 pieces.
      The mixes GEMM [64 tok x 4*DC] x [4*DC x 32] then runs on the tensor cores as bf16 x bf16:
      the products of bf16 pieces are exact, and the pieces' cross terms sum to the fp32 product
@@ -311,10 +307,10 @@ def build(kind: str, dtype: str, m: int, D: int, norm_eps: float, hc_eps: float,
                  for names, f in fns)
 
 
-def cuda_splits(D: int, n: int, slots: int = 2 * 132) -> int:
+def cuda_splits(D: int, n: int, slots: int = 3 * 132) -> int:
     """CTAs along D per token tile for T = n tokens: the divisor K of D/DC that minimises
-    waves x chunks per CTA over `slots` resident CTAs (2 per SM on an H200: about 240 registers
-    per thread for the bf16 post_pre build), with the workspace
+    waves x chunks per CTA over `slots` resident CTAs (3 per SM on an H200: 159 registers per
+    thread, 47 KB of shared memory per CTA), with the workspace
     (K x 128 B per token) kept under ~3% of the stream traffic; at T = 1 that is up to 20 CTAs
     side by side instead of one CTA walking all of D."""
     chunks, tiles = D // DC, -(-n // TB)
@@ -492,10 +488,10 @@ def _cuda_main_prim_func(kind, dtype, m, D):
     mix = 2 * m + m * m
     nch = D // DC // splits  # chunks per CTA
     kc = m * DC  # GEMM K per chunk
+    vec = 8  # stream values per thread item (16 B of bf16)
     vw = 16 // (4 if dtype == "float32" else 2)  # values per 16-byte access
-    vec = 2 * vw if dtype == "bfloat16" else vw  # stream values per thread item (32 B / 16 B)
     ipr = DC // vec  # items per token row of a chunk
-    U = TB * ipr // _THREADS  # items (tokens) per thread
+    U = TB * ipr // _THREADS  # items per thread
     npa = 1 if dtype == "bfloat16" else 3  # bf16 pieces of a stream value
     pieces = list(range(npa))
     pairs = [(a, b) for a in range(npa) for b in range(3) if a + b <= 2]
@@ -505,23 +501,18 @@ def _cuda_main_prim_func(kind, dtype, m, D):
     pdo = ncf - m
     src = "RES" if expand else "H"
     mul, add = _arith(True)
-    prefetch = dtype == "bfloat16"
     assert TB * ipr % _THREADS == 0 and D % DC == 0
 
     @T.macro
-    def load_fn(B, fl, tx, d0):
-        """fn's columns of the chunk at d0 (an L2 hit: every token tile reads them)."""
-        for u in T.unroll(FU):
-            q = u * _THREADS + tx
-            if FU * _THREADS == nfv or q < nfv:
-                for e in T.vectorized(4):
-                    fl[u, e] = B["FN"][q // (kc // 4), (q % (kc // 4)) * 4 // DC * D + d0
-                                       + (q % (kc // 4)) * 4 % DC + e]
-
-    @T.macro
-    def load(B, xl, bx, tx, d0):
-        """Issue the global loads of the streams of the chunk at column d0 into registers.
-        Nothing waits for them until the chunk is computed."""
+    def load(B, xl, fl, bx, tx, d0):
+        """Issue the global loads of the chunk at column d0: fn (mixes) and the streams."""
+        if mixes:
+            for u in T.unroll(FU):
+                q = u * _THREADS + tx
+                if FU * _THREADS == nfv or q < nfv:
+                    for e in T.vectorized(4):
+                        fl[u, e] = B["FN"][q // (kc // 4), (q % (kc // 4)) * 4 // DC * D + d0
+                                           + (q % (kc // 4)) * 4 % DC + e]
         for u in T.unroll(U):
             it = u * _THREADS + tx
             t = bx * TB + it // ipr
@@ -535,147 +526,124 @@ def _cuda_main_prim_func(kind, dtype, m, D):
                             xl[u, m, h2 * vw + e] = B["Y"][t, d0 + it % ipr * vec + h2 * vw + e]
 
     @T.macro
-    def step(B, W, xl, fl, bx, tx, d0):
-        """One chunk from loaded registers: h_new and x stored, the mixes GEMM accumulated.
-        W holds the per-thread scratch (coefficients, outputs, GEMM operands)."""
-        if mixes:
-            load_fn(B, fl, tx, d0)
-            T.sync_threads()  # the previous chunk's GEMM has read As/Bs
-            for u in T.unroll(FU):
-                q = u * _THREADS + tx
-                if FU * _THREADS == nfv or q < nfv:
-                    for e in T.unroll(4):
-                        for p, piece in enumerate(_bf16_pieces(fl[u, e], 3)):
-                            W["bl"][p, e] = piece
-                    for p in [0, 1, 2]:
-                        for e in T.vectorized(4):
-                            W["Bs"][p][q // (kc // 4), (q % (kc // 4)) * 4 + e] = W["bl"][p, e]
-        for u in T.unroll(U):
-            it = u * _THREADS + tx
-            t = bx * TB + it // ipr
-            for h2 in T.unroll(vec // vw):  # one 16-byte access of each row at a time
-                c0 = it % ipr * vec + h2 * vw  # column within the chunk
-                for e in T.unroll(vw):
-                    for j in T.unroll(m):
-                        if expand:
-                            W["sv"][0] = mul(W["cr"][u, m + j], T.Cast("float32", xl[u, 0, h2 * vw + e]))
-                            for i in T.unroll(1, m):
-                                W["sv"][0] = add(W["sv"][0], mul(W["cr"][u, m + i * m + j],
-                                                                 T.Cast("float32", xl[u, i, h2 * vw + e])))
-                            W["ol"][j, e] = T.Cast(dtype, add(mul(W["cr"][u, j], T.Cast("float32", xl[u, m, h2 * vw + e])),
-                                                              W["sv"][0]))
-                            W["hv"][j] = T.Cast("float32", W["ol"][j, e])
-                        else:
-                            W["hv"][j] = T.Cast("float32", xl[u, j, h2 * vw + e])
-                        if mixes:
-                            W["sq"][u] = W["sq"][u] + W["hv"][j] * W["hv"][j]
-                            if npa > 1:
-                                for p, piece in enumerate(_bf16_pieces(W["hv"][j], npa)):
-                                    W["al"][p, j, e] = piece
-                    W["sv"][0] = mul(W["cr"][u, pdo], W["hv"][0])
-                    for j in T.unroll(1, m):
-                        W["sv"][0] = add(W["sv"][0], mul(W["cr"][u, pdo + j], W["hv"][j]))
-                    W["xo"][e] = T.Cast(dtype, W["sv"][0])
-                if t < N:
-                    for e in T.vectorized(vw):
-                        B["X"][t, d0 + c0 + e] = W["xo"][e]
-                    if expand:
-                        for j in T.unroll(m):
-                            for e in T.vectorized(vw):
-                                B["HN"][t, j, d0 + c0 + e] = W["ol"][j, e]
-                if mixes:  # the GEMM operand: the stream as stored, or its bf16 pieces
-                    for j in T.unroll(m):
-                        for p in pieces:
-                            for e in T.vectorized(vw):
-                                if npa > 1:
-                                    W["As"][p][it // ipr, j * DC + c0 + e] = W["al"][p, j, e]
-                                elif expand:
-                                    W["As"][p][it // ipr, j * DC + c0 + e] = W["ol"][j, e]
-                                else:
-                                    W["As"][p][it // ipr, j * DC + c0 + e] = xl[u, j, h2 * vw + e]
-        if mixes:
-            T.sync_threads()
-            # Each chunk accumulates on its own and is added to the total in IEEE fp32: the
-            # tensor cores' accumulation does not round like fp32 adds, and its error would
-            # otherwise grow with D.
-            T.clear(W["Cc"])
-            for a, b in pairs[::-1]:  # the small cross terms first
-                T.gemm(W["As"][a], W["Bs"][b], W["Cc"], transpose_B=True)
-            for i, j in T.Parallel(TB, _NPAD):
-                W["Cf"][i, j] = W["Cf"][i, j] + W["Cc"][i, j]
-
-    @T.macro
     def body(B):
         with T.Kernel(T.ceildiv(N, TB), splits, threads=_THREADS) as (bx, by):
             tx = T.get_thread_binding()
-            # bf16: two register sets of loaded streams (and y), the next chunk's loads in flight
-            # while the current one is computed (fp32 streams: one set, as two would spill)
-            xa = T.alloc_local((U, m + 1, vec), dtype)
-            xb = T.alloc_local((U, m + 1, vec) if prefetch else (1,), dtype)
-            fa = T.alloc_local((FU if mixes else 1, 4), "float32")
-            W = dict(
-                cr=T.alloc_local((U, ncf), "float32"),  # this thread's tokens' post, comb, pre_delayed
-                ol=T.alloc_local((m, vw), dtype),  # h_new as stored, one 16-byte piece per row
-                xo=T.alloc_local((vw,), dtype),
-                hv=T.alloc_local((m,), "float32"),
-                sv=T.alloc_local((1,), "float32"))
+            Co = T.alloc_shared((TB, ncf), "float32")  # per-token post, comb, pre_delayed
+            xl = T.alloc_local((U, m + 1, vec), dtype)  # loaded streams (and y)
+            ol = T.alloc_local((m, vec), dtype)  # h_new as stored
+            xo = T.alloc_local((vec,), dtype)
+            hv = T.alloc_local((m,), "float32")
+            s = T.alloc_var("float32")
+            fl = T.alloc_local((FU if mixes else 1, 4), "float32")
             if mixes:
-                W["As"] = [T.alloc_shared((TB, kc), "bfloat16") for _ in pieces]
-                W["Bs"] = [T.alloc_shared((_NPAD, kc), "bfloat16") for _ in range(3)]
-                W["Cs"] = T.alloc_shared((TB, _NPAD), "float32")
-                W["Cf"] = T.alloc_fragment((TB, _NPAD), "float32")
-                W["al"] = T.alloc_local((npa, m, vw), "bfloat16")
-                W["Cc"] = T.alloc_fragment((TB, _NPAD), "float32")
-                W["bl"] = T.alloc_local((3, 4), "bfloat16")
-                W["sq"] = T.alloc_local((U,), "float32")
-                T.clear(W["Cf"])
+                As = [T.alloc_shared((TB, kc), "bfloat16") for _ in pieces]
+                Bs = [T.alloc_shared((_NPAD, kc), "bfloat16") for _ in range(3)]
+                Cs = T.alloc_shared((TB, _NPAD), "float32")
+                Cf = T.alloc_fragment((TB, _NPAD), "float32")
+                al = T.alloc_local((npa, m, vec), "bfloat16")
+                Cc = T.alloc_fragment((TB, _NPAD), "float32")
+                bl = T.alloc_local((3, 4), "bfloat16")
+                sq = T.alloc_local((U,), "float32")
+                T.clear(Cf)
                 for u in T.unroll(U):
-                    W["sq"][u] = T.float32(0)
+                    sq[u] = T.float32(0)
                 for q in T.serial((_NPAD - mix) * kc // _THREADS):  # zero fn rows mix.._NPAD
                     for p in [0, 1, 2]:  # a Python list: unrolled at trace time
-                        W["Bs"][p][mix + (q * _THREADS + tx) // kc, (q * _THREADS + tx) % kc] = T.bfloat16(0)
-            d_start = by * nch * DC
-            load(B, xa, bx, tx, d_start)
-            for u in T.unroll(U):
-                t = bx * TB + (u * _THREADS + tx) // ipr
-                if t < N:
-                    for k in list(range(ncf)):  # a Python list: k is static, the buffer chosen at trace time
-                        if k >= pdo:
-                            W["cr"][u, k] = B["PD"][t, k - pdo]
-                        elif k >= m:
-                            W["cr"][u, k] = B["CIN"][t, (k - m) // m, (k - m) % m]
-                        else:
-                            W["cr"][u, k] = B["PIN"][t, k]
-            if prefetch:
-                for c2 in T.serial(T.ceildiv(nch, 2)):  # chunks 2 c2 (set a) and 2 c2 + 1 (set b)
-                    d0 = d_start + 2 * c2 * DC
-                    if 2 * c2 + 1 < nch:
-                        load(B, xb, bx, tx, d0 + DC)
-                    step(B, W, xa, fa, bx, tx, d0)
-                    if 2 * c2 + 2 < nch:
-                        load(B, xa, bx, tx, d0 + 2 * DC)
-                    if 2 * c2 + 1 < nch:
-                        step(B, W, xb, fa, bx, tx, d0 + DC)
-            else:
-                for ch in T.serial(nch):
-                    if ch > 0:
-                        load(B, xa, bx, tx, d_start + ch * DC)
-                    step(B, W, xa, fa, bx, tx, d_start + ch * DC)
+                        Bs[p][mix + (q * _THREADS + tx) // kc, (q * _THREADS + tx) % kc] = T.bfloat16(0)
+            for q in T.serial(T.ceildiv(TB * ncf, _THREADS)):
+                i = q * _THREADS + tx
+                t = bx * TB + i // ncf
+                if i < TB * ncf and t < N:
+                    if i % ncf >= pdo:
+                        Co[i // ncf, i % ncf] = B["PD"][t, i % ncf - pdo]
+                    if expand:
+                        if i % ncf >= m and i % ncf < pdo:
+                            Co[i // ncf, i % ncf] = B["CIN"][t, (i % ncf - m) // m, (i % ncf - m) % m]
+                        if i % ncf < m:
+                            Co[i // ncf, i % ncf] = B["PIN"][t, i % ncf]
+            T.sync_threads()
+            for ch in T.serial(nch):
+                d0 = (by * nch + ch) * DC
+                if mixes:
+                    T.sync_threads()  # the previous chunk's GEMM has read As/Bs
+                load(B, xl, fl, bx, tx, d0)
+                if mixes:
+                    for u in T.unroll(FU):
+                        q = u * _THREADS + tx
+                        if FU * _THREADS == nfv or q < nfv:
+                            for e in T.unroll(4):
+                                for p, piece in enumerate(_bf16_pieces(fl[u, e], 3)):
+                                    bl[p, e] = piece
+                            for p in [0, 1, 2]:
+                                for e in T.vectorized(4):
+                                    Bs[p][q // (kc // 4), (q % (kc // 4)) * 4 + e] = bl[p, e]
+                for u in T.unroll(U):
+                    it = u * _THREADS + tx
+                    t = bx * TB + it // ipr
+                    for e in T.unroll(vec):
+                        for j in T.unroll(m):
+                            if expand:
+                                s = mul(Co[it // ipr, m + j], T.Cast("float32", xl[u, 0, e]))
+                                for i in T.unroll(1, m):
+                                    s = add(s, mul(Co[it // ipr, m + i * m + j], T.Cast("float32", xl[u, i, e])))
+                                ol[j, e] = T.Cast(dtype, add(mul(Co[it // ipr, j], T.Cast("float32", xl[u, m, e])), s))
+                                hv[j] = T.Cast("float32", ol[j, e])
+                            else:
+                                hv[j] = T.Cast("float32", xl[u, j, e])
+                            if mixes:
+                                sq[u] = sq[u] + hv[j] * hv[j]
+                                if npa > 1:
+                                    for p, piece in enumerate(_bf16_pieces(hv[j], npa)):
+                                        al[p, j, e] = piece
+                        s = mul(Co[it // ipr, pdo], hv[0])
+                        for j in T.unroll(1, m):
+                            s = add(s, mul(Co[it // ipr, pdo + j], hv[j]))
+                        xo[e] = T.Cast(dtype, s)
+                    if t < N:
+                        c0 = d0 + it % ipr * vec
+                        for h2 in T.unroll(vec // vw):
+                            for e in T.vectorized(vw):
+                                B["X"][t, c0 + h2 * vw + e] = xo[h2 * vw + e]
+                            if expand:
+                                for j in T.unroll(m):
+                                    for e in T.vectorized(vw):
+                                        B["HN"][t, j, c0 + h2 * vw + e] = ol[j, h2 * vw + e]
+                    if mixes:  # the GEMM operand: the stream as stored, or its bf16 pieces
+                        for j in T.unroll(m):
+                            for p in pieces:
+                                for e in T.vectorized(vec):
+                                    if npa > 1:
+                                        As[p][it // ipr, j * DC + it % ipr * vec + e] = al[p, j, e]
+                                    elif expand:
+                                        As[p][it // ipr, j * DC + it % ipr * vec + e] = ol[j, e]
+                                    else:
+                                        As[p][it // ipr, j * DC + it % ipr * vec + e] = xl[u, j, e]
+                if mixes:
+                    T.sync_threads()
+                    # Each chunk accumulates on its own and is added to the total in IEEE fp32: the
+                    # tensor cores' accumulation does not round like fp32 adds, and its error
+                    # would otherwise grow with D.
+                    T.clear(Cc)
+                    for a, b in pairs[::-1]:  # the small cross terms first
+                        T.gemm(As[a], Bs[b], Cc, transpose_B=True)
+                    for i, j in T.Parallel(TB, _NPAD):
+                        Cf[i, j] = Cf[i, j] + Cc[i, j]
             if mixes:
-                T.copy(W["Cf"], W["Cs"])
+                T.copy(Cf, Cs)
                 for u in T.unroll(U):
                     it = u * _THREADS + tx
                     t = bx * TB + it // ipr
                     for k in T.unroll(ipr.bit_length() - 1):  # the ipr lanes of one token row
-                        W["sq"][u] = W["sq"][u] + T.shfl_xor(W["sq"][u], 1 << k)
+                        sq[u] = sq[u] + T.shfl_xor(sq[u], 1 << k)
                     if t < N and it % ipr == 0:
-                        B["WS"][by, t, mix] = W["sq"][u]
+                        B["WS"][by, t, mix] = sq[u]
                 T.sync_threads()
                 for u in T.unroll(TB * _NPAD // _THREADS):
                     it = u * _THREADS + tx
                     t = bx * TB + it // _NPAD
                     if t < N and it % _NPAD < mix:
-                        B["WS"][by, t, it % _NPAD] = W["Cs"][it // _NPAD, it % _NPAD]
+                        B["WS"][by, t, it % _NPAD] = Cs[it // _NPAD, it % _NPAD]
 
     return names, _prim_func(names, S, body)
 
