@@ -223,9 +223,8 @@ class _Rewrite:
                                    f"{tuple(_val(mask).shape)}")
                 self.blocks[mask] = keep
             idx = self._node(torch.ops.dsv41c.index_topk.default, (sc, vl32), {"k": k, "offset": offset})
-        if _val(idx).shape != _val(out).shape:
-            raise PassError(f"lower_indexer: {site.describe()}: index_topk gives {tuple(_val(idx).shape)}, "
-                            f"the site {tuple(_val(out).shape)}")
+        if str(_val(idx).shape) != str(_val(out).shape):
+            raise Mismatch(f"index_topk gives {tuple(_val(idx).shape)}, the site {tuple(_val(out).shape)}")
         out.replace_all_uses_with(idx)
         if funnel:
             mask_out.replace_all_uses_with(mask)

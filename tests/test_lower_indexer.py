@@ -292,3 +292,33 @@ def test_whole_model_matches_eager_kv_quant(lowered):
     errors += [golden.relative_error(trace.decode_logits[:, i], ref.decode_logits[:, i]) for i in range(STEPS)]
     print(f"\nlower_indexer compiled vs eager kv_quant (bf16): relative max-abs logit error {max(errors):.2e}")
     assert max(errors) <= 1e-3, errors
+
+
+@pytest.mark.slow
+def test_whole_model_with_lower_sparse_attn():
+    """fp4_kv, lower_indexer and lower_sparse_attn together: the attention kernel reads the lists
+    index_topk publishes; greedy tokens and logits equal eager kv_quant (lower-index ties)."""
+    from dsv41c.compiler import ObservedPass
+    from dsv41c.passes.lower_sparse_attn import LowerSparseAttn
+
+    args = cut_args()
+    torch._dynamo.reset()
+    model = dsv41c.build_model(args, seed=0, dtype=torch.bfloat16, kv_quant=True)
+    eager = dsv41c.build_model(args, seed=0, dtype=torch.bfloat16, kv_quant=True)
+    compiled = dsv41c.compile(model, passes=("fp4_kv",), strict=True, backend="passes_only", observe=True)
+    for extra in (LowerIndexer(), LowerSparseAttn()):
+        extra.strict = True
+        extra.bind(model)
+        compiled.pipeline.passes.append(ObservedPass(extra, compiled.snapshots, False, False))
+        compiled.pipeline.stats[extra.name] = PassStats(extra.name)
+    inputs = golden.make_inputs(args, 2, 21, seed=3)
+    trace, tokens = golden.run_greedy(compiled, inputs, STEPS)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(attention, "top_indices", stable_top_indices)
+        eager_trace, eager_tokens = golden.run_greedy(eager, inputs, STEPS)
+    assert torch.equal(tokens, eager_tokens)
+    assert golden.relative_error(trace.prefill_logits, eager_trace.prefill_logits) <= 1e-3
+    assert golden.relative_error(trace.decode_logits, eager_trace.decode_logits) <= 1e-3
+    stats = compiled.pipeline.stats
+    assert stats["lower_indexer"].matches == 2 * compiled.graphs
+    assert stats["lower_sparse_attn"].matches == args.n_layers * compiled.graphs
