@@ -48,6 +48,27 @@ def bench(fn, warmup: int = 5, reps: int = 30, inner: int = 8) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def bench_graph(fn, inner: int = 8, reps: int = 20) -> float:
+    """Median milliseconds per call of `inner` calls captured in one CUDA graph and replayed: the
+    device time alone, with no host dispatch (which `bench` still sees once a call's host side is
+    slower than its kernel). NaN when the calls cannot be captured."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):                   # warm-up off the default stream
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(inner):
+                fn()
+    except RuntimeError as e:
+        print(f"CUDA graph capture failed: {str(e)[:200]}")
+        return float("nan")
+    return bench(graph.replay, warmup=2, reps=reps, inner=1) / inner
+
+
 def copy_bandwidth(nbytes: int = 4 << 30) -> float:
     src = torch.randn(nbytes // 4, device="cuda")
     dst = torch.empty_like(src)

@@ -381,7 +381,7 @@ def _register_custom_ops(root: Path, ops: list[str]) -> None:
     if not ops:
         return
     import importlib
-    for module in ("mhc", "quant"):
+    for module in ("attention", "indexer", "mhc", "quant"):
         try:
             importlib.import_module(f"dsv41c.tilelang_kernels.{module}")
         except ImportError:

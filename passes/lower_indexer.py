@@ -163,7 +163,7 @@ class LowerIndexer(GraphPass):
         if rewrite.added:
             stable_topological_sort(graph)       # a kernel call sits after its last operand
         before = len(graph.nodes)
-        graph.eliminate_dead_code()
+        provenance.prune(graph)
         stats.nodes_removed = before - len(graph.nodes)
         if missed:
             message = f"lower_indexer: {len(missed)} indexer site(s) left as torch ops, first: {missed[0]}"

@@ -256,6 +256,18 @@ class _Rewrite:
         self.added += 1
         return node
 
+    def _last(self, nodes: list[fx.Node]) -> list[fx.Node]:
+        """Of several [.., m, m] outputs, the Sinkhorn result is the last one computed; the others
+        are intermediates that Inductor lets another mHC site read, and that site is lowered too
+        (the check for remaining eager mHC ops holds if it is not)."""
+        if len(nodes) < 2:
+            return nodes
+        order = {n: i for i, n in enumerate(self.graph.nodes)}
+        last = max(nodes, key=order.__getitem__)
+        mhc_nodes = set().union(*(s.nodes for s in self.sites))
+        others_in_sites = all(u in mhc_nodes for n in nodes if n is not last for u in n.users)
+        return [last] if others_in_sites else nodes
+
     def _replace(self, old: fx.Node, new: fx.Node) -> None:
         a, b = old.meta["val"], new.meta["val"]
         if a.dim() != b.dim() or a.shape[-1] != b.shape[-1] or a.dtype != b.dtype:
@@ -268,13 +280,14 @@ class _Rewrite:
         """Map the mixes site's outputs onto the kernel's (pre, post, comb): comb is the [.., m, m]
         one; of the two [.., m], post is the one an expand site reads (else the product)."""
         m = self.m
-        comb = [n for n in mixes.outputs if _shape(n)[-2:] == (m, m)]
+        comb = self._last([n for n in mixes.outputs if _shape(n)[-2:] == (m, m)])
         vec = [n for n in mixes.outputs if n not in comb and _shape(n)[-1:] == (m,)]
         post = [n for n in vec if n in self.expand_inputs]
         if len(post) != 1:  # no expand reads it here: post = 2 sigmoid(.), pre = sigmoid(.) + eps
             post = [n for n in vec if n.target is aten.mul.Tensor]
         if len(comb) != 1 or len(vec) != 2 or len(post) != 1:
-            found = ", ".join(f"{n.name} ({n.target}, {_shape(n)})" for n in mixes.outputs)
+            found = ", ".join(f"{n.name} ({n.target}, {_shape(n)}, read by {[u.name for u in n.users]})"
+                              for n in mixes.outputs)
             raise PassError(f"lower_mhc: {mixes.describe()} does not output one pre, post and comb; "
                             f"its outputs: {found}")
         pre = next(n for n in vec if n is not post[0])

@@ -93,7 +93,7 @@ class LowerSparseAttn(GraphPass):
             stats.nodes_added += 1
         stats.matches = len(stats.details)
         before = len(graph.nodes)
-        graph.eliminate_dead_code()
+        provenance.prune(graph)
         stats.nodes_removed = before - len(graph.nodes)
         if missed:
             message = f"lower_sparse_attn: {len(missed)} site(s) left as torch ops, first: {missed[0]}"

@@ -91,11 +91,15 @@ class PassPipeline(CustomGraphPass):
 
 def registry() -> dict[str, type[GraphPass]]:
     """Known passes by name, in the order a pipeline runs them (mHC lowering first: it takes the
-    mixes GEMMs into its kernels before projections are fused; fp4_kv touches only the cache codecs)."""
+    mixes GEMMs into its kernels before projections are fused; fp4_kv touches only the cache codecs;
+    lower_sparse_attn and lower_indexer read fp4_kv's dequantise calls of the caches)."""
     from dsv41c.passes.fp4_kv import PackedKV
     from dsv41c.passes.fuse_wqa_wkv import FuseSiblingLinears
+    from dsv41c.passes.lower_indexer import LowerIndexer
     from dsv41c.passes.lower_mhc import LowerMHC
-    return {LowerMHC.name: LowerMHC, FuseSiblingLinears.name: FuseSiblingLinears, PackedKV.name: PackedKV}
+    from dsv41c.passes.lower_sparse_attn import LowerSparseAttn
+    return {LowerMHC.name: LowerMHC, FuseSiblingLinears.name: FuseSiblingLinears, PackedKV.name: PackedKV,
+            LowerSparseAttn.name: LowerSparseAttn, LowerIndexer.name: LowerIndexer}
 
 
 def build_pipeline(names: Sequence[str], strict: bool = False, options: dict[str, dict] | None = None) -> PassPipeline:

@@ -31,6 +31,13 @@ def frames(node: fx.Node) -> list[tuple[str, str, str, str]]:
 _EXPORT_ROOTS = ("dsv41c.export.PrefillStep", "dsv41c.export.DecodeStep")
 
 
+def traced_in_model(node: fx.Node) -> bool:
+    """Whether the node's trace reaches the model's code. Nodes Inductor creates have none, or
+    only its own frames (a pattern replacement: CUDA's online softmax), and are placed by their
+    users instead (`find_sites`)."""
+    return any("/dsv41c/" in path.replace("\\", "/") for path, *_ in frames(node))
+
+
 def module_of(node: fx.Node) -> str:
     """The model submodule the node was traced in ("layers.0.attn"), "" for the model itself."""
     stack = list((node.meta.get("nn_module_stack") or {}).values())
@@ -91,8 +98,8 @@ def is_constant(node: fx.Node) -> bool:
 def find_sites(graph: fx.Graph, key: Callable[[fx.Node], tuple | None],
                site_type: type[Site] = Site) -> list[Site]:
     """The sites of a graph (nodes grouped by `key`) with their external inputs and outputs, in
-    graph order. Nodes Inductor created without a trace (constants folded in) join the site all of
-    whose users are in it."""
+    graph order. Nodes Inductor created, whose trace does not reach the model (constants folded in,
+    pattern replacements), join the site all of whose users are in it."""
     sites: dict[tuple, Site] = {}
     owner: dict[fx.Node, Site] = {}
     for node in graph.nodes:
@@ -107,7 +114,7 @@ def find_sites(graph: fx.Graph, key: Callable[[fx.Node], tuple | None],
             if node in owner or node.op != "call_function" or not node.users:
                 continue
             homes = {owner.get(u) for u in node.users}
-            if len(homes) != 1 or None in homes or node.meta.get("stack_trace"):
+            if len(homes) != 1 or None in homes or traced_in_model(node):
                 continue
             home = homes.pop()
             if all(owner.get(a) is home or is_constant(a) for a in node.all_input_nodes):

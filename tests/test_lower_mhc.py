@@ -102,6 +102,13 @@ def test_a_site_left_unmatched_is_an_error():
         compile_streams(module, PassPipeline([lower], strict=True))
 
 
+def test_pipelines_with_lower_mhc_keep_softmax_unfused():
+    """Inductor's CUDA online-softmax rewrite would split the Sinkhorn out of its mHC site."""
+    from dsv41c.compiler import inductor_options
+    assert inductor_options(PassPipeline([LowerMHC()]))["online_softmax"] is False
+    assert "online_softmax" not in inductor_options(PassPipeline([]))
+
+
 def test_unbound_pass_is_an_error():
     with pytest.raises(Exception, match="no model bound"):
         compile_streams(Streams().eval(), PassPipeline([LowerMHC()]))
