@@ -57,7 +57,7 @@ from torch import fx
 from torch._inductor.pattern_matcher import stable_topological_sort
 
 from dsv41c.passes import provenance
-from dsv41c.passes.manager import GraphPass, PassError, PassStats
+from dsv41c.passes.manager import ModelPass, PassError, PassStats
 from dsv41c.passes.provenance import Site, frames, module_of
 
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -133,22 +133,14 @@ def _masks_invisible(site: Site) -> bool:
     return False
 
 
-class LowerIndexer(GraphPass):
+class LowerIndexer(ModelPass):
     name = "lower_indexer"
-
-    def __init__(self, **options):
-        super().__init__(**options)
-        self.model = None
-
-    def bind(self, model: torch.nn.Module) -> None:
-        self.model = model
 
     def apply(self, graph: fx.Graph) -> PassStats:
         from dsv41c.tilelang_kernels import indexer as _kernels  # noqa: F401  (registers the ops)
         from dsv41c.tilelang_kernels import quant as _codecs  # noqa: F401  (registers the dequant ops)
 
-        if self.model is None:
-            raise PassError("lower_indexer: no model bound (dsv41c.compile binds it)")
+        self.bound_model()
         stats = PassStats(self.name)
         sites = provenance.find_sites(graph, _key)
         rewrite = _Rewrite(graph, self.model, sites)

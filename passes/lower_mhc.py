@@ -42,7 +42,7 @@ from torch import fx
 from torch._inductor.pattern_matcher import stable_topological_sort
 
 from dsv41c.passes import provenance
-from dsv41c.passes.manager import GraphPass, PassError, PassStats
+from dsv41c.passes.manager import ModelPass, PassError, PassStats
 from dsv41c.passes.provenance import shape as _shape
 from dsv41c.passes.provenance import site_key
 
@@ -74,21 +74,13 @@ def find_sites(graph: fx.Graph) -> list[Site]:
     return provenance.find_sites(graph, _site_key, Site)
 
 
-class LowerMHC(GraphPass):
+class LowerMHC(ModelPass):
     name = "lower_mhc"
-
-    def __init__(self, **options):
-        super().__init__(**options)
-        self.model = None
-
-    def bind(self, model: torch.nn.Module) -> None:
-        self.model = model
 
     def apply(self, graph: fx.Graph) -> PassStats:
         from dsv41c.tilelang_kernels import mhc as _kernels  # noqa: F401  (registers dsv41c::mhc_*)
 
-        if self.model is None:
-            raise PassError("lower_mhc: no model bound (dsv41c.compile binds it)")
+        self.bound_model()
         stats = PassStats(self.name)
         sites = find_sites(graph)
         if not sites:

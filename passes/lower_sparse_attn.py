@@ -41,7 +41,7 @@ import torch
 from torch import fx
 
 from dsv41c.passes import provenance
-from dsv41c.passes.manager import GraphPass, PassError, PassStats
+from dsv41c.passes.manager import ModelPass, PassError, PassStats
 from dsv41c.passes.provenance import Site, site_key
 
 ATTENTION_FILE = "dsv41c/attention.py"
@@ -64,21 +64,13 @@ def _target_is(node: fx.Node, op) -> bool:
     return isinstance(node, fx.Node) and node.op == "call_function" and node.target is op
 
 
-class LowerSparseAttn(GraphPass):
+class LowerSparseAttn(ModelPass):
     name = "lower_sparse_attn"
-
-    def __init__(self, **options):
-        super().__init__(**options)
-        self.model = None
-
-    def bind(self, model: torch.nn.Module) -> None:
-        self.model = model
 
     def apply(self, graph: fx.Graph) -> PassStats:
         from dsv41c.tilelang_kernels import attention as _kernels  # noqa: F401  (registers the ops)
 
-        if self.model is None:
-            raise PassError("lower_sparse_attn: no model bound (dsv41c.compile binds it)")
+        self.bound_model()
         stats = PassStats(self.name)
         sites = provenance.find_sites(graph, _key)
         in_sites = _with_interior(graph, {n for s in sites for n in s.nodes})

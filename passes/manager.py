@@ -53,6 +53,23 @@ class GraphPass:
         raise NotImplementedError
 
 
+class ModelPass(GraphPass):
+    """A pass that reads the model being compiled (parameters, submodules): the pipeline's
+    `bind(model)` gives it before tracing."""
+
+    def __init__(self, **options: Any):
+        super().__init__(**options)
+        self.model = None
+
+    def bind(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def bound_model(self) -> torch.nn.Module:
+        if self.model is None:
+            raise PassError(f"{self.name}: no model bound (dsv41c.compile binds it)")
+        return self.model
+
+
 class PassPipeline(CustomGraphPass):
     """Runs `passes` in order on every graph Inductor compiles; `stats` accumulates per pass."""
 

@@ -242,6 +242,25 @@ def test_a_second_export_is_the_same_apart_from_timestamps_and_library_bytes(exp
         torch.arange(8).view(1, 8), 0).argmax()
 
 
+@pytest.mark.slow
+def test_an_export_with_every_pass_generates_the_eager_tokens(tmp_path):
+    """Opt-in (about 10 minutes on one busy CPU core): fuse_wqa_wkv, lower_mhc and fp4_kv in the
+    packages (the TileLang kernels called through AOTInductor's proxy executor, packed caches as
+    inputs), loaded in a fresh process: the greedy tokens of eager with the same KV numerics."""
+    passes = ("fuse_wqa_wkv", "lower_mhc", "fp4_kv")
+    model = dsv41c.build_model(cut_args(), seed=0, kv_quant=True)
+    artifact = dsv41c.export(model, tmp_path / "artifact", passes, strict=True, max_prompt_len=MAX_PROMPT)
+    m = manifest_of(artifact)
+    assert m["model"]["kv_storage"] == "packed"
+    assert {"mhc_post_pre", "fp4_e4m3_quant", "mxfp4_dequant"} <= set(m["custom_ops"]), m["custom_ops"]
+    assert all(p["pass_matches"]["lower_mhc"] > 0 and p["pass_matches"]["fp4_kv"] > 0 for p in m["programs"])
+    proc = subprocess.run([sys.executable, "-c", LOAD_AND_GENERATE, str(artifact), PROMPT, str(NEW_TOKENS)],
+                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loaded = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert loaded["new_ids"] == generate(model, loaded["ids"], NEW_TOKENS).new_ids
+
+
 # ------------------------------------------------------------------------------ CUDA
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

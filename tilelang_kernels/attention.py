@@ -47,14 +47,13 @@ max).  Only bf16 runs on CUDA (the tensor cores take bf16 operands; an fp32 call
 
 import functools
 
-import tilelang
 import tilelang.cpu.language as TC
 import tilelang.language as T
 import torch
 
 from dsv41c import quant as Q
 from dsv41c.attention import sparse_attn as sparse_attn_ref
-from dsv41c.tilelang_kernels.quant import _bits, _e2m1_value, _e4m3_value, _e8m0_value, _store
+from dsv41c.tilelang_kernels.quant import _bits, _e2m1_value, _e4m3_value, _e8m0_value, _store, compile_for, kernel_target
 
 __all__ = ["BLOCK", "KINDS", "build", "attention_prim_func", "sparse_attn", "sparse_attn_packed",
            "sparse_attn_packed_ref", "sparse_attn_ref"]
@@ -428,25 +427,13 @@ def attention_prim_func(kind: str, dtype: str, H: int, d: int, scale: float, tar
 def build(kind: str, dtype: str, H: int, d: int, scale: float, target: str):
     """Compiled kernel, once per process per key; target "c" (CPU) or "cuda[:sm_XX]"."""
     fn = attention_prim_func(kind, dtype, H, d, scale, "c" if target == "c" else "cuda")
-    if target == "c":
-        return tilelang.compile(fn, target="c")
-    arch = target.partition(":")[2]
-    tgt = {"kind": "cuda", "arch": arch} if arch else "cuda"
-    return tilelang.compile(fn, target=tgt, pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: False})
+    return compile_for(fn, target)
 
 
 # ------------------------------------------------------------------------------------- torch.library ops
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
-
-def _target(t: torch.Tensor) -> str:
-    if t.device.type == "cpu":
-        return "c"
-    if t.device.type == "cuda":  # wgmma needs the arch-specific Hopper target (sm_90a)
-        major, minor = torch.cuda.get_device_capability(t.device)
-        return f"cuda:sm_{major}{minor}" + ("a" if major == 9 else "")
-    raise ValueError(f"sparse_attn kernels: no build for device {t.device}")
 
 
 def _want(op, name, t, dtype, shape, device):
@@ -484,7 +471,7 @@ def _run(kind, q, srcs, sink, idx, scale):
         return out
     if idx.shape[-1] == 0:
         return out.zero_()
-    target = _target(q)
+    target = kernel_target(q, "sparse_attn")
     b, s, h, d = q.shape
     kernel = build(kind, _DTYPES[q.dtype], h, d, float(scale), target)
     kernel(*(_arg(t, target) for t in (q, *srcs, sink, idx, out)))

@@ -44,12 +44,11 @@ CTAs in four launches.  Details in `_cuda_scores_prim_func` and `_cuda_select_pr
 
 import functools
 
-import tilelang
 import tilelang.cpu.language as TC
 import tilelang.language as T
 import torch
 import torch.nn.functional as F
-from dsv41c.tilelang_kernels.quant import _e2m1_value, _e8m0_value, _store
+from dsv41c.tilelang_kernels.quant import _e2m1_value, _e8m0_value, _store, compile_for, kernel_target
 
 from dsv41c import quant
 from dsv41c.attention import Indexer, top_indices
@@ -289,20 +288,8 @@ def build(kind: str, key: tuple, target: str):
     (CPU) or "cuda:sm_XX"."""
     cpu = target == "c"
     fn = (scores_prim_func if kind == "scores" else select_prim_func)(*key, "c" if cpu else "cuda")
-    if cpu:
-        return tilelang.compile(fn, target="c")
-    arch = target.partition(":")[2]
-    tgt = {"kind": "cuda", "arch": arch} if arch else "cuda"
-    return tilelang.compile(fn, target=tgt, pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: False})
+    return compile_for(fn, target)
 
-
-def _target(t: torch.Tensor) -> str:
-    if t.device.type == "cpu":
-        return "c"
-    if t.device.type == "cuda":  # wgmma needs the arch-specific Hopper target (sm_90a)
-        major, minor = torch.cuda.get_device_capability(t.device)
-        return f"cuda:sm_{major}{minor}" + ("a" if major == 9 else "")
-    raise ValueError(f"indexer kernels: no build for device {t.device}")
 
 
 def _bits(t: torch.Tensor, target: str) -> torch.Tensor:
@@ -356,7 +343,7 @@ def _scores_impl(q, codes, scales, w, visible_len, cand_blocks, n, block_max):
     sc, bm = _scores_fake(q, codes, scales, w, visible_len, cand_blocks, n, block_max)
     if sc.numel() == 0:
         return sc, bm
-    target = _target(q)
+    target = kernel_target(q, "indexer")
     kernel = build("scores", (h, d, visible_len is not None, cand_blocks is not None, block_max), target)
     args = [_bits(_aligned(q.contiguous()), target), _aligned(_rows_view(codes)), _aligned(_rows_view(scales)),
             _bits(w.contiguous(), target)]
@@ -382,7 +369,7 @@ def _check_select(op, scores, visible_len):
 
 def _select(mode, scores, visible_len, k, offset, out):
     """Run the select build(s) of `mode` on scores [B,S,n] (k >= 1) into out."""
-    target = _target(scores)
+    target = kernel_target(scores, "indexer")
     sc = scores.contiguous().view(torch.uint16)
     vl = visible_len.contiguous()
     args = torch.tensor([k, offset], dtype=torch.int32, device=scores.device)

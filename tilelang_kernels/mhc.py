@@ -48,11 +48,10 @@ CUDA (sm_90a: wgmma needs the arch-specific target), two launches for the mixing
 import functools
 from types import SimpleNamespace
 
-import tilelang
 import tilelang.cpu.language as TC
 import tilelang.language as T
 import torch
-from dsv41c.tilelang_kernels.quant import _bits, _store
+from dsv41c.tilelang_kernels.quant import _bits, _store, compile_for, kernel_target
 
 from dsv41c import mhc
 
@@ -298,13 +297,7 @@ def build(kind: str, dtype: str, m: int, D: int, norm_eps: float, hc_eps: float,
     """((parameter names, compiled kernel), ...) of one op, once per process per key; target "c"
     (CPU) or "cuda[:sm_XX]".  T is a dynamic dimension, so one build serves every token count."""
     fns = mhc_prim_funcs(kind, dtype, m, D, norm_eps, hc_eps, iters, "c" if target == "c" else "cuda")
-    if target == "c":
-        return tuple((names, tilelang.compile(f, target="c")) for names, f in fns)
-    arch = target.partition(":")[2]
-    tgt = {"kind": "cuda", "arch": arch} if arch else "cuda"
-    return tuple((names, tilelang.compile(f, target=tgt,
-                                          pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: False}))
-                 for names, f in fns)
+    return tuple((names, compile_for(f, target)) for names, f in fns)
 
 
 def cuda_splits(D: int, n: int, slots: int = 3 * 132) -> int:
@@ -323,14 +316,6 @@ def cuda_splits(D: int, n: int, slots: int = 3 * 132) -> int:
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
-
-def _target(t: torch.Tensor) -> str:
-    if t.device.type == "cpu":
-        return "c"
-    if t.device.type == "cuda":  # wgmma needs the arch-specific Hopper target (sm_90a)
-        major, minor = torch.cuda.get_device_capability(t.device)
-        return f"cuda:sm_{major}{minor}" + ("a" if major == 9 else "")
-    raise ValueError(f"mhc kernels: no build for device {t.device}")
 
 
 def _check(op, streams, coefs, fn_args):
@@ -377,7 +362,7 @@ def _launch(kind, bufs, n, m, d, dtype, eps):
     kernel and, for the mixing kinds, the finalize kernel over a fresh workspace."""
     if n == 0:
         return
-    target = _target(bufs["X"])
+    target = kernel_target(bufs["X"], "mhc")
     if target != "c" and kind != "post_collapse":
         bufs["WS"] = bufs["X"].new_empty((cuda_splits(d, n), n, _NPAD), dtype=torch.float32)
     args = {name: _kernel_arg(t, target) for name, t in bufs.items()}

@@ -537,12 +537,17 @@ def _e2m1_scaled(c, sf):
 def build(fmt: str, direction: str, dtype: str, n: int, target: str):
     """Compiled kernel, once per process per key; target "c" (CPU) or "cuda" / "cuda:sm_XX"."""
     fn = quant_prim_func(fmt, direction, dtype, n, "c" if target == "c" else "cuda")
+    return compile_for(fn, target)
+
+
+def compile_for(fn, target: str):
+    """tilelang.compile of a prim_func for target "c" (CPU) or "cuda[:sm_XX[a]]", without fast math
+    (the kernels' exactness arguments assume IEEE fp32 operations). Shared by every kernel module."""
     if target == "c":
         return tilelang.compile(fn, target="c")
     arch = target.partition(":")[2]
     tgt = {"kind": "cuda", "arch": arch} if arch else "cuda"
-    return tilelang.compile(fn, target=tgt,
-                            pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: False})
+    return tilelang.compile(fn, target=tgt, pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: False})
 
 
 def build_many(keys) -> None:
@@ -553,13 +558,15 @@ def build_many(keys) -> None:
         build(*key)
 
 
-def _target(t: torch.Tensor) -> str:
+def kernel_target(t: torch.Tensor, family: str = "quant") -> str:
+    """The build target for a tensor's device: "c" (CPU) or "cuda:sm_XY", with Hopper's
+    arch-specific suffix ("sm_90a": wgmma needs it). Shared by every kernel module."""
     if t.device.type == "cpu":
         return "c"
     if t.device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(t.device)
-        return f"cuda:sm_{major}{minor}"
-    raise ValueError(f"quant kernels: no build for device {t.device}")
+        return f"cuda:sm_{major}{minor}" + ("a" if major == 9 else "")
+    raise ValueError(f"{family} kernels: no build for device {t.device}")
 
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
@@ -605,7 +612,7 @@ def _quant(fmt, x):
     vals, scales = _quant_fake(fmt, x)
     n = x.shape[-1]
     if x.numel():
-        target = _target(x)
+        target = kernel_target(x)
         x2 = _kernel_view(_aligned(x.reshape(-1, n).contiguous(), target), target)
         _check_grid(fmt, x2.shape[0], n)
         if target != "c" and fmt != "fp8" and x.dtype == torch.bfloat16:
@@ -633,7 +640,7 @@ def _dequant(fmt, values, scales, dtype):
     out = _dequant_fake(fmt, values, scales, dtype)
     n = out.shape[-1]
     if out.numel():
-        target = _target(values)
+        target = kernel_target(values)
         v2 = _aligned(values.reshape(-1, values.shape[-1]).contiguous(), target)
         _check_grid(fmt, v2.shape[0], n)
         s2 = scales.reshape(-1, scales.shape[-1]).contiguous()
