@@ -37,11 +37,8 @@ aten = torch.ops.aten
 
 def inductor_options(pipeline) -> dict:
     options = {"freezing": True, "cpp.weight_prepack": False, "post_grad_custom_post_pass": pipeline}
-    if any(p.name == "lower_mhc" for p in pipeline.passes):
-        # On CUDA, Inductor rewrites softmax into its online form before our passes run; the new
-        # nodes carry no trace into the model, so the Sinkhorn of an mHC site would fall apart
-        # (lower_mhc: "does not output one pre, post and comb" on an H200)
-        options["online_softmax"] = False
+    for p in pipeline.passes:                  # what a pass needs of Inductor (GraphPass.inductor_config)
+        options.update(p.inductor_config)
     return options
 
 

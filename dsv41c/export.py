@@ -60,7 +60,7 @@ from dsv41c.model import Transformer
 from dsv41c.passes.manager import build_pipeline
 from dsv41c.tokenizer import Tokenizer
 
-FORMAT = 1
+FORMAT = 2                     # 2: "device" is an object (type, and for CUDA name and arch)
 MANIFEST_FILE, TOKENIZER_FILE = "manifest.json", "tokenizer.json"
 CACHE_PREFIX = "cache."
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -45,6 +45,8 @@ class GraphPass:
 
     name = "pass"
     strict = False
+    # Inductor settings the pass needs while it runs (merged by dsv41c.compiler.inductor_options)
+    inductor_config: dict[str, Any] = {}
 
     def __init__(self, **options: Any):
         self.options = options
@@ -55,7 +57,12 @@ class GraphPass:
 
 class ModelPass(GraphPass):
     """A pass that reads the model being compiled (parameters, submodules): the pipeline's
-    `bind(model)` gives it before tracing."""
+    `bind(model)` gives it before tracing. These passes find the eager calls they lower by
+    provenance, so they keep Inductor's online softmax off: its CUDA rewrite replaces a softmax
+    with nodes that have no trace into the model (seen on an H200 splitting the Sinkhorn out of
+    an mHC site)."""
+
+    inductor_config = {"online_softmax": False}
 
     def __init__(self, **options: Any):
         super().__init__(**options)

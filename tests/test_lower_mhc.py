@@ -105,8 +105,9 @@ def test_a_site_left_unmatched_is_an_error():
 def test_pipelines_with_lower_mhc_keep_softmax_unfused():
     """Inductor's CUDA online-softmax rewrite would split the Sinkhorn out of its mHC site."""
     from dsv41c.compiler import inductor_options
+    from dsv41c.passes.fuse_wqa_wkv import FuseSiblingLinears
     assert inductor_options(PassPipeline([LowerMHC()]))["online_softmax"] is False
-    assert "online_softmax" not in inductor_options(PassPipeline([]))
+    assert "online_softmax" not in inductor_options(PassPipeline([FuseSiblingLinears()]))
 
 
 def test_unbound_pass_is_an_error():
