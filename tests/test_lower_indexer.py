@@ -23,7 +23,7 @@ from dsv41c import attention, golden, quant
 from dsv41c.attention import CallState, Indexer
 from dsv41c.config import ModelArgs, build_layer_plan
 from dsv41c.passes.lower_indexer import LowerIndexer, _key
-from dsv41c.passes.manager import PassError, PassPipeline, PassStats
+from dsv41c.passes.manager import PassError, PassPipeline
 from dsv41c.tilelang_kernels import indexer as _kernels  # noqa: F401  (registers dsv41c::index_*)
 from dsv41c.tilelang_kernels import quant as _codecs  # noqa: F401  (registers dsv41c::mxfp4_*)
 
@@ -231,19 +231,8 @@ STEPS = 4      # decode positions 21..24 (22..25 keys)
 
 def compile_lowered(model):
     """dsv41c.compile with fp4_kv then lower_indexer (strict, passes_only backend, graphs kept)."""
-    from dsv41c.compiler import ObservedPass
-    from dsv41c.passes.manager import registry
-
-    if "lower_indexer" in registry():
-        return dsv41c.compile(model, passes=("fp4_kv", "lower_indexer"), strict=True, backend="passes_only",
-                              keep_code=True)
-    compiled = dsv41c.compile(model, passes=("fp4_kv",), strict=True, backend="passes_only", keep_code=True)
-    extra = LowerIndexer()
-    extra.strict = True
-    extra.bind(model)
-    compiled.pipeline.passes.append(ObservedPass(extra, compiled.snapshots, False, True))
-    compiled.pipeline.stats[extra.name] = PassStats(extra.name)
-    return compiled
+    return dsv41c.compile(model, passes=("fp4_kv", "lower_indexer"), strict=True, backend="passes_only",
+                          keep_code=True)
 
 
 @pytest.fixture(scope="module")
@@ -298,19 +287,12 @@ def test_whole_model_matches_eager_kv_quant(lowered):
 def test_whole_model_with_lower_sparse_attn():
     """fp4_kv, lower_indexer and lower_sparse_attn together: the attention kernel reads the lists
     index_topk publishes; greedy tokens and logits equal eager kv_quant (lower-index ties)."""
-    from dsv41c.compiler import ObservedPass
-    from dsv41c.passes.lower_sparse_attn import LowerSparseAttn
-
     args = cut_args()
     torch._dynamo.reset()
     model = dsv41c.build_model(args, seed=0, dtype=torch.bfloat16, kv_quant=True)
     eager = dsv41c.build_model(args, seed=0, dtype=torch.bfloat16, kv_quant=True)
-    compiled = dsv41c.compile(model, passes=("fp4_kv",), strict=True, backend="passes_only", observe=True)
-    for extra in (LowerIndexer(), LowerSparseAttn()):
-        extra.strict = True
-        extra.bind(model)
-        compiled.pipeline.passes.append(ObservedPass(extra, compiled.snapshots, False, False))
-        compiled.pipeline.stats[extra.name] = PassStats(extra.name)
+    compiled = dsv41c.compile(model, passes=("fp4_kv", "lower_indexer", "lower_sparse_attn"), strict=True,
+                              backend="passes_only", observe=True)
     inputs = golden.make_inputs(args, 2, 21, seed=3)
     trace, tokens = golden.run_greedy(compiled, inputs, STEPS)
     with pytest.MonkeyPatch.context() as mp:

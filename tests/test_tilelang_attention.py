@@ -237,19 +237,9 @@ def test_lower_sparse_attn_strict_failure():
 def compile_lowered(model, passes):
     """dsv41c.compile with `passes` then lower_sparse_attn (strict, passes_only backend, graphs kept)."""
     import dsv41c
-    from dsv41c.compiler import ObservedPass
-    from dsv41c.passes.manager import PassStats, registry
 
-    if "lower_sparse_attn" in registry():
-        return dsv41c.compile(model, passes=(*passes, "lower_sparse_attn"), strict=True, backend="passes_only",
-                              keep_code=True)
-    compiled = dsv41c.compile(model, passes=passes, strict=True, backend="passes_only", keep_code=True)
-    extra = LowerSparseAttn()
-    extra.strict = True
-    extra.bind(model)
-    compiled.pipeline.passes.append(ObservedPass(extra, compiled.snapshots, False, True))
-    compiled.pipeline.stats[extra.name] = PassStats(extra.name)
-    return compiled
+    return dsv41c.compile(model, passes=(*passes, "lower_sparse_attn"), strict=True, backend="passes_only",
+                          keep_code=True)
 
 
 @pytest.mark.slow
