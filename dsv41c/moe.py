@@ -108,6 +108,30 @@ class Experts(nn.Module):
         out = proj("w2", (route.reshape(-1, 1) * h).to(x.dtype))
         return out.view(n, k, -1)
 
+    def groupable(self, x: torch.Tensor) -> bool:
+        """Whether `grouped` applies: dense bf16 weights and input (the grouped GEMM's one dtype)."""
+        return self.fmt == "dense" and x.dtype == self.w1.dtype == torch.bfloat16
+
+    def grouped(self, x: torch.Tensor, route: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The same as `gathered` through one grouped GEMM per projection: the (token, slot) pairs
+        sorted by expert, each group against its expert's weight. No weight copies, no
+        data-dependent shapes and no host synchronisation, for any number of tokens."""
+        n, k = ids.shape
+        flat = ids.reshape(-1)
+        order = flat.argsort(stable=True)
+        experts = torch.arange(self.n, device=ids.device, dtype=flat.dtype)
+        ends = torch.searchsorted(flat[order], experts, right=True).to(torch.int32)   # group e = rows < ends[e]
+
+        def proj(name, inp):
+            # torch._grouped_mm: F.grouped_mm's op (the public name is newer than torch 2.11)
+            return torch._grouped_mm(inp, getattr(self, name).transpose(-2, -1), offs=ends)
+
+        xs = x[order // k]
+        h = swiglu(proj("w1", xs), proj("w3", xs), self.limit)
+        y = proj("w2", (route.reshape(-1)[order].unsqueeze(-1) * h).to(x.dtype))
+        out = torch.empty_like(y).index_copy_(0, order, y)            # back to (token, slot) order
+        return out.view(n, k, -1)
+
 
 def _split_experts(module: Experts, state_dict, prefix, local_metadata) -> None:
     for name in PROJECTIONS:
@@ -144,11 +168,14 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         route, ids = self.gate(x)
+        ids, order = ids.sort(dim=-1)              # each token's experts in increasing id: the §7 order
+        route = route.gather(1, order)
         acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        if ids.numel() <= self.n_experts:
-            # Few tokens (decode): gather the active experts; add them in ascending expert order.
-            ids, order = ids.sort(dim=-1)
-            outs = self.experts.gathered(x, route.gather(1, order), ids)
+        if self.experts.groupable(x) or ids.numel() <= self.n_experts:
+            # bf16: grouped GEMMs; few tokens (decode): gathered weights. Slot j holds each token's
+            # j-th expert in increasing id, so adding the slots in turn is the per-expert order.
+            experts = self.experts.grouped if self.experts.groupable(x) else self.experts.gathered
+            outs = experts(x, route, ids)
             for j in range(ids.shape[1]):
                 acc = acc + outs[:, j].float()
         else:

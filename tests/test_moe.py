@@ -227,3 +227,40 @@ def test_moe_accumulates_in_fp32_expert_order_then_shared(tiny_args):
     assert torch.equal(out, acc.to(torch.bfloat16))
     exp = _naive_moe(moe, args, x)
     assert ((out.double() - exp).abs().max() / exp.abs().max()) < 3e-2
+
+
+def test_bf16_grouped_path_equals_per_expert_loop_with_an_empty_expert(tiny_args):
+    """bf16 dense experts take the grouped GEMM for every token count; an expert no token picks is
+    an empty group. The result equals the per-expert loop (`Experts.one` in increasing expert id)."""
+    moe = _moe(tiny_args, torch.bfloat16)
+    with torch.no_grad():
+        moe.gate.bias[1] = -1e4                                     # expert 1 is never selected
+    x = torch.randn(11, tiny_args.dim).to(torch.bfloat16)
+    with torch.no_grad():
+        route, ids = moe.gate(x)
+        assert not (ids == 1).any() and moe.experts.groupable(x)
+        loop = torch.zeros(11, tiny_args.dim)
+        for e in range(moe.n_experts):
+            tok, slot = (ids == e).nonzero(as_tuple=True)
+            loop.index_add_(0, tok, moe.experts.one(e, x[tok], route[tok, slot]).float())
+        loop += moe.shared_experts(x).float()
+        for n in (1, 2, 11):                                        # decode-sized and prefill-sized
+            assert torch.equal(moe(x[:n].view(1, n, -1))[0], loop[:n].to(torch.bfloat16))
+
+
+def test_bf16_moe_compiles_without_data_dependent_shapes(tiny_args):
+    """The grouped path traces to one graph with no nonzero (no unbacked sizes, no host sync)."""
+    moe = _moe(tiny_args, torch.bfloat16)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    x = torch.randn(1, 9, tiny_args.dim).to(torch.bfloat16)
+    with torch.no_grad():
+        got = torch.compile(moe, backend=backend, fullgraph=True, dynamic=True)(x)
+        assert torch.equal(got, moe(x))
+    targets = [str(n.target) for n in graphs[0].graph.nodes]
+    assert len(graphs) == 1 and not any("nonzero" in t for t in targets)
+    assert sum("_grouped_mm" in t for t in targets) == 3
