@@ -1,5 +1,7 @@
 """The whole model three ways, side by side in one run: eager, plain `torch.compile` (Inductor, no
 freezing, no passes) and `dsv41c.compile` (Inductor with frozen weights and the pass pipeline).
+Both compiled variants get dsv41c's `INDUCTOR_WORKAROUNDS` (settings that avoid Inductor bugs).
+A workload that fails to compile or run is recorded with its error and the run goes on.
 
 Measures prefill tokens/s at one length (batch 1) and decode tokens/s at each batch size, after a
 warm-up that compiles every graph the timed calls use (compile time is reported separately). The
@@ -25,7 +27,7 @@ from pathlib import Path
 import torch
 
 import dsv41c
-from dsv41c.compiler import DEFAULT_PASSES
+from dsv41c.compiler import DEFAULT_PASSES, INDUCTOR_WORKAROUNDS
 from dsv41c.model import Transformer
 
 VARIANTS = ("eager", "torch.compile", "dsv41c.compile")
@@ -97,9 +99,10 @@ def make_variant(name: str, model: Transformer):
         return dsv41c.compile(model, passes=DEFAULT_PASSES + extra)
     fn = torch.compile(model.forward, fullgraph=True, dynamic=True)
 
-    def plain(ids, start_pos=0, full_logits=False):
+    def plain(ids, start_pos=0, full_logits=False):   # Inductor's defaults but for dsv41c.compile's workarounds
         with torch.no_grad(), torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True,
-                                                          specialize_float=True):
+                                                          specialize_float=True), \
+                torch._inductor.config.patch(INDUCTOR_WORKAROUNDS):
             return fn(ids, start_pos, full_logits)
     return plain
 
@@ -117,6 +120,12 @@ def measure(name: str, model: Transformer, a: argparse.Namespace, gen: torch.Gen
         print(f"  {name}: {key} {out[key]:.1f} (first pass {first_s:.0f} s)", flush=True)
         out[f"{key}_first_pass_s"] = first_s
         save()
+    def failed(key: str, err: Exception) -> None:        # record it and go on with the next workload
+        msg = str(err).strip()
+        out[key] = None
+        out[f"{key}_error"] = f"{type(err).__name__}: {msg.splitlines()[0][:300] if msg else ''}"
+        print(f"  {name}: {key} FAILED: {out[f'{key}_error']}", flush=True)
+        save()
     if a.prefill_len:
         ids = torch.randint(0, vocab, (1, a.prefill_len), generator=gen).to(a.device)
 
@@ -124,12 +133,15 @@ def measure(name: str, model: Transformer, a: argparse.Namespace, gen: torch.Gen
             model.reset_cache()
             run(ids, 0)
 
-        t0 = time.perf_counter()
-        prefill()
-        first = time.perf_counter() - t0
-        compile_s += first
-        out["prefill_tok_s"] = a.prefill_len / timed(prefill, a.device, a.repeats)
-        done("prefill_tok_s", first)
+        try:
+            t0 = time.perf_counter()
+            prefill()
+            first = time.perf_counter() - t0
+            compile_s += first
+            out["prefill_tok_s"] = a.prefill_len / timed(prefill, a.device, a.repeats)
+            done("prefill_tok_s", first)
+        except Exception as err:                            # noqa: BLE001 - a compiler failure is a result
+            failed("prefill_tok_s", err)
     for batch in a.batches:
         prompt = torch.randint(0, vocab, (batch, a.decode_prompt), generator=gen).to(a.device)
         steps = torch.randint(0, vocab, (batch, a.decode_steps, 1), generator=gen).to(a.device)
@@ -142,17 +154,20 @@ def measure(name: str, model: Transformer, a: argparse.Namespace, gen: torch.Gen
             model.reset_cache()
             model(prompt, 0)
 
-        seed()
-        t0 = time.perf_counter()
-        decode()
-        first = time.perf_counter() - t0
-        compile_s += first
-        times = []
-        for _ in range(a.repeats):
+        try:
             seed()
-            times.append(timed(decode, a.device, 1))
-        out[f"decode_b{batch}_tok_s"] = batch * a.decode_steps / sorted(times)[len(times) // 2]
-        done(f"decode_b{batch}_tok_s", first)
+            t0 = time.perf_counter()
+            decode()
+            first = time.perf_counter() - t0
+            compile_s += first
+            times = []
+            for _ in range(a.repeats):
+                seed()
+                times.append(timed(decode, a.device, 1))
+            out[f"decode_b{batch}_tok_s"] = batch * a.decode_steps / sorted(times)[len(times) // 2]
+            done(f"decode_b{batch}_tok_s", first)
+        except Exception as err:                            # noqa: BLE001
+            failed(f"decode_b{batch}_tok_s", err)
     out["first_pass_s"] = compile_s
     save()
     torch._dynamo.reset()
@@ -239,10 +254,15 @@ def main() -> None:
     print("|" + "---|" * len(header))
     for key in keys:
         label = f"prefill {a.prefill_len}" if key == "prefill_tok_s" else f"decode batch {key[8:-6]}"
-        cells = [label, *(f"{base[v][key]:.1f}" for v in a.variants)]
-        cells += [f"{base[v][key] / base['eager'][key]:.2f}" for v in a.variants if v != "eager" and "eager" in base]
+        def rate(v):
+            return base[v].get(key)
+
+        def ratio(v, w):
+            return f"{rate(v) / rate(w):.2f}" if rate(v) and rate(w) else "-"
+        cells = [label, *(f"{rate(v):.1f}" if rate(v) else "failed" for v in a.variants)]
+        cells += [ratio(v, "eager") for v in a.variants if v != "eager" and "eager" in base]
         if {"torch.compile", "dsv41c.compile"} <= set(base):
-            cells.append(f"{base['dsv41c.compile'][key] / base['torch.compile'][key]:.2f}")
+            cells.append(ratio("dsv41c.compile", "torch.compile"))
         cells.append(f"{ceilings[key]:.3g}")
         print("| " + " | ".join(cells) + " |")
     print("first pass (compiles, s): " + ", ".join(f"{r['variant']} {r['first_pass_s']:.0f}" for r in rows))

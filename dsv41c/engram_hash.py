@@ -11,6 +11,7 @@ import math
 
 import numpy as np
 import torch
+from torch import nn
 from tokenizers import Regex, normalizers
 
 from dsv41c.errors import ConfigError
@@ -134,15 +135,21 @@ def compressed_token_map(tokenizer) -> tuple[torch.Tensor, int]:
     return torch.tensor(mapping, dtype=torch.int64), len(classes)
 
 
-class EngramLayout:
+class EngramLayout(nn.Module):
     """Hash constants of all engram layers as int64 tensors.
 
     primes, offsets: [L_e, C] with C = (N−1)·H_e in column order c = (n−2)·H_e + η;
     multipliers: [L_e, N]; token_map: [V] raw id -> compressed id; pad: compressed pad id (int).
     `tokens` is a Tokenizer or a precomputed (token_map, V_c) pair.
+
+    The tensors are non-persistent buffers: they move with the model and stay out of its state
+    dict, and torch.compile sees them with static shapes (as plain tensor attributes they were
+    dynamic graph inputs, whose size symbols a frozen Inductor graph can lose). They are computed
+    on the CPU; `reset` writes them again, e.g. after `to_empty`.
     """
 
     def __init__(self, args, tokens):
+        super().__init__()
         layer_ids, n_max, n_heads = _engram_dims(args)
         if isinstance(tokens, tuple):
             token_map, v_c = tokens
@@ -175,17 +182,21 @@ class EngramLayout:
         self.n_cols = (n_max - 1) * n_heads
         n_layers = len(layer_ids)
         flat = [[p for heads in layer for p in heads] for layer in primes]
-        self.primes = torch.tensor(flat, dtype=torch.int64).reshape(n_layers, self.n_cols)
-        self.offsets = torch.tensor([engram_offsets(layer) for layer in primes],
-                                    dtype=torch.int64).reshape(n_layers, self.n_cols)
-        self.multipliers = torch.tensor(engram_multipliers(args),
-                                        dtype=torch.int64).reshape(n_layers, n_max)
-        self.token_map = token_map
+        self._host = {
+            "primes": torch.tensor(flat, dtype=torch.int64).reshape(n_layers, self.n_cols),
+            "offsets": torch.tensor([engram_offsets(layer) for layer in primes],
+                                    dtype=torch.int64).reshape(n_layers, self.n_cols),
+            "multipliers": torch.tensor(engram_multipliers(args), dtype=torch.int64).reshape(n_layers, n_max),
+            "token_map": token_map.cpu(),
+        }
+        for name, value in self._host.items():
+            self.register_buffer(name, value.clone(), persistent=False)
         self.pad = int(token_map[pad_id])
 
-    def to(self, device) -> "EngramLayout":
-        for name in ("primes", "offsets", "multipliers", "token_map"):
-            setattr(self, name, getattr(self, name).to(device))
+    def reset(self) -> "EngramLayout":
+        """Write the constants into the buffers again (on whatever device they are)."""
+        for name, value in self._host.items():
+            getattr(self, name).copy_(value)
         return self
 
     def new_history(self, batch: int, max_seq_len: int, device=None) -> torch.Tensor:

@@ -142,7 +142,7 @@ class Transformer(nn.Module):
         self.rope_compressed.copy_(comp)
         self.cache.reset()
         if self.engram_layer_ids:
-            self.engram_layout.to(self.device)
+            self.engram_layout.to(self.device).reset()
 
     # ---------------------------------------------------------------- checks
     def check_inputs(self, ids: torch.Tensor, start_pos: int) -> None:
