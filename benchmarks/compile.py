@@ -12,8 +12,8 @@ attention excluded, so it is a lower bound on the work).
     python benchmarks/compile.py --config configs/bench.json --device cuda --dtype bfloat16
     python benchmarks/compile.py --config configs/tiny.json --device cpu     # minutes: CPU compiles
 
-On CPU, whole-model Inductor compiles take minutes per graph, and decode compiles a few graphs
-(the ratio-2 group parity, batch 1 against batch > 1).
+On CPU, whole-model Inductor compiles take minutes per graph; decode compiles one graph per batch
+class (batch 1 against batch > 1).
 """
 from __future__ import annotations
 

@@ -146,7 +146,8 @@ class Compressor(nn.Module):
         self.norm = RMSNorm(d, args.norm_eps, dtype)
 
     def forward(self, x: torch.Tensor, state: CallState, cache: LayerCache) -> tuple[torch.Tensor, int]:
-        """Returns (latents [B, n_new, d_h], first group index g0); n_new may be 0."""
+        """Returns (latents [B, n_new, d_h], first group index g0). Prefill: the completed groups
+        (n_new may be 0); decode: always one entry, that of the token's group (see below)."""
         rho = self.ratio
         if rho == 1:
             return self.norm(self.wkv(x)), state.start_pos
@@ -160,11 +161,14 @@ class Compressor(nn.Module):
             a, s = a[:, :groups * rho].unflatten(1, (groups, rho)), s[:, :groups * rho].unflatten(1, (groups, rho))
             g0 = 0
         else:
-            slot = state.start_pos % rho
-            cache.group_kv[:b, slot] = a[:, 0]
-            cache.group_score[:b, slot] = s[:, 0]
-            if (state.start_pos + 1) % rho:
-                return x.new_zeros(b, 0, a.shape[-1]), state.start_pos // rho
+            # The token joins its group's buffer and the group's entry is pooled at every step, so
+            # a decode step is one graph at every position (no branch on the position within the
+            # group). Before the group's last token the pooled entry mixes in the previous group's
+            # stale rows; it goes to row start_pos // rho, which no query sees until the group is
+            # complete (compress_len), and the completing step writes that row again.
+            slot = (torch.arange(1, device=x.device) + state.start_pos) % rho     # a tensor: no guard
+            cache.group_kv[:b].index_copy_(1, slot, a)
+            cache.group_score[:b].index_copy_(1, slot, s)
             a, s = cache.group_kv[:b].unsqueeze(1), cache.group_score[:b].unsqueeze(1)
             g0 = state.start_pos // rho
         pooled = (a * torch.softmax(s, dim=2)).sum(dim=2)

@@ -80,7 +80,9 @@ class LayerCache(nn.Module):
         self.window = RowStore(b, args.window_size, d, dtype, "fp8" if packed else None)
         self.kv = self.index_keys = None
         if role.is_kv_source:
-            rows = args.max_seq_len // role.ratio
+            # ceil: decode writes the open group's provisional entry (Compressor.forward), also at the
+            # last positions when max_seq_len is not a multiple of the ratio
+            rows = -(-args.max_seq_len // role.ratio)
             self.kv = RowStore(b, rows, d, dtype, "fp4_e4m3" if packed else None)
             if role.owns_index_keys:
                 self.index_keys = RowStore(b, rows, args.index_head_dim, dtype, "mxfp4" if packed else None)

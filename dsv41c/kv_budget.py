@@ -67,7 +67,9 @@ class SourceBudget:
         return self.kv_bytes_per_token + self.index_bytes_per_token
 
     def entries(self, context: int) -> int:
-        # Only completed groups become entries; a partial group sits in the compressor state.
+        # Only completed groups become entries; a partial group sits in the compressor state. (The
+        # model's cache holds ceil(max_seq_len / ratio) rows: one more when max_seq_len is not a
+        # multiple of the ratio, for the open group's provisional entry.)
         return context // self.ratio
 
     def bytes_at(self, context: int) -> int:

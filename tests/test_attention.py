@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from dsv41c.attention import (SPARSE_ATTN_BLOCK, CallState, Compressor, Indexer, decode_window_index,
-                              prefill_window_index, sparse_attn)
+from dsv41c.attention import (SPARSE_ATTN_BLOCK, CallState, Compressor, Indexer, compress_len,
+                              decode_window_index, prefill_window_index, sparse_attn)
 from dsv41c.cache import LayerCache
 from dsv41c.config import LayerRole
 
@@ -116,8 +116,11 @@ def test_compressor_ratio2_prefill_odd_then_decode(tiny_args, ref):
     assert g0 == 2 and lat.shape == (2, 1, args.head_dim)
     torch.testing.assert_close(lat.double(), _naive_pool(comp, x, [2], 2, eps, ref), rtol=1e-4, atol=1e-5)
 
-    lat, _ = comp(x[:, 6:7], _state(6, 1), cache)                    # group 3 incomplete: nothing
-    assert lat.shape == (2, 0, args.head_dim)
+    # group 3 incomplete: a provisional entry for row 3 (slot 1 still holds token 5 of group 2),
+    # invisible until position 7 (compress_len), where the completing step recomputes it
+    lat, g0 = comp(x[:, 6:7], _state(6, 1), cache)
+    assert g0 == 3 and lat.shape == (2, 1, args.head_dim)
+    assert compress_len(_state(6, 1), 2, x.device).tolist() == [3]       # rows 0..2 visible at t = 6
     lat, g0 = comp(x[:, 7:8], _state(7, 1), cache)
     assert g0 == 3 and lat.shape == (2, 1, args.head_dim)
     torch.testing.assert_close(lat.double(), _naive_pool(comp, x, [3], 2, eps, ref), rtol=1e-4, atol=1e-5)

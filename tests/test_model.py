@@ -61,6 +61,20 @@ def test_prefill_equals_prefill_plus_decode(model, ids, full, k):
     assert rel_err(stepped, full) < 1e-5
 
 
+def test_decode_to_the_last_position_of_an_odd_max_seq_len(args, ids):
+    """Decode writes the open ratio-2 group's provisional entry at row t // 2 at every step; at
+    t = max_seq_len - 1 with an odd max_seq_len that row exists only in the ceil-sized cache. The
+    decoded logits still equal the prefill's, the last position included."""
+    n = 61
+    odd = dsv41c.build_model(args.replace(max_seq_len=n), seed=0, dtype=torch.float32)
+    assert odd.cache.layers[1].kv.rows * 2 > n
+    with torch.no_grad():
+        full = odd(ids[:, :n], start_pos=0, full_logits=True)
+        odd.reset_cache()
+        stepped = prefill_then_decode(odd, ids[:, :n], 40)
+    assert rel_err(stepped, full) < 1e-5
+
+
 def test_prefill_plus_decode_with_kv_quant(args, ids):
     """With the fake quantisers on, a 1-ulp GEMM difference can flip a rounding step and, through
     the top-k, the selection: no tolerance bound holds, but the argmax must nearly always agree."""
