@@ -1,8 +1,10 @@
 """Mixture of experts (spec §7): the fp32 router with a selection-only bias, SwiGLU experts with
 clamps, the routing weight applied before w2, and the fp32 accumulation in expert order.
 
-Routed experts are stored stacked ([E, out, in] per projection) so that decode can gather just
-the active experts. The state dict still uses the official names `experts.{e}.w1.weight` etc.
+Routed experts are stored stacked ([E, out, in] per projection): bf16 models run them as one
+grouped GEMM per projection over the tokens sorted by expert, other dtypes gather the active
+experts' weights for a few tokens or loop over the experts. The state dict still uses the official
+names `experts.{e}.w1.weight` etc.
 """
 from __future__ import annotations
 
@@ -123,7 +125,7 @@ class Experts(nn.Module):
         ends = torch.searchsorted(flat[order], experts, right=True).to(torch.int32)   # group e = rows < ends[e]
 
         def proj(name, inp):
-            # torch._grouped_mm: F.grouped_mm's op (the public name is newer than torch 2.11)
+            # torch._grouped_mm: the op behind torch 2.13's F.grouped_mm, present across the pinned range
             return torch._grouped_mm(inp, getattr(self, name).transpose(-2, -1), offs=ends)
 
         xs = x[order // k]
