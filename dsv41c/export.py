@@ -22,16 +22,17 @@ tensors. Each package carries the constants it was compiled with; a separate mod
 would be a second copy that the packages never read. (The cost: prefill and decode each store the
 weights.)
 
-Programs. The model branches in Python on shapes: a ratio-rho compressor on the position mod rho,
-the window and top-k widths on min(W, t) and min(k, n). torch.export turns such a branch into a
-guard that the exported program asserts, so one program cannot cover every length. Positions are
-written as t = period * k + residue (period: the lcm of the compress ratios >= 2): the residue is a
-static part of each program, which makes every modular branch static; k is a dynamic dimension
-whose range torch.export narrows (`Dim.AUTO`) to where the other branches are settled. Prefill
-takes the prompt as a [1, k, period] body and a [1, residue] tail; decode reads its position from
-the length of an empty [k, 0] marker. With period 1 (no ratio >= 2), that is one prefill.pt2 and
-one decode.pt2; otherwise one package per residue (`prefill.r<i>.pt2`). The narrowed ranges are the
-artifact's bounds; `load_artifact` refuses a call outside them (the packages do not check).
+Programs. The model branches in Python on shapes: a ratio-rho compressor on the prompt length mod
+rho in prefill, the window and top-k widths on min(W, t) and min(k, n). torch.export turns such a
+branch into a guard that the exported program asserts, so one program cannot cover every length.
+Lengths are written as t = period * k + residue (period: the lcm of the compress ratios >= 2 for
+prefill, 1 for decode, which takes the same branches at every position): the residue is a static
+part of each program, which makes every modular branch static; k is a dynamic dimension whose
+range torch.export narrows (`Dim.AUTO`) to where the other branches are settled. Prefill takes the
+prompt as a [1, k, period] body and a [1, residue] tail; decode reads its position from the length
+of an empty [k, 0] marker. With period 1 (no ratio >= 2), that is one prefill.pt2; otherwise one
+prefill package per residue (`prefill.r<i>.pt2`); always one decode.pt2. The narrowed ranges are
+the artifact's bounds; `load_artifact` refuses a call outside them (the packages do not check).
 """
 from __future__ import annotations
 
@@ -160,9 +161,11 @@ class ProgramSpec:
 
 
 def program_specs(period: int) -> list[ProgramSpec]:
-    def name(phase, r):
-        return f"{phase}.pt2" if period == 1 else f"{phase}.r{r}.pt2"
-    return [ProgramSpec(phase, period, r, name(phase, r)) for phase in ("prefill", "decode") for r in range(period)]
+    """One prefill package per residue of the prompt length mod `period`, one decode package (a
+    decode step takes the same branches at every position)."""
+    prefill = [ProgramSpec("prefill", period, r, "prefill.pt2" if period == 1 else f"prefill.r{r}.pt2")
+               for r in range(period)]
+    return prefill + [ProgramSpec("decode", 1, 0, "decode.pt2")]
 
 
 def _dim_range(ep, placeholder: str, dim: int, period: int, residue: int) -> tuple[int, int]:
@@ -405,7 +408,7 @@ class Artifact:
         self.root, self.manifest, self.tokenizer = root, manifest, tokenizer
         self.args = ModelArgs.from_dict(manifest["config"], source=f"{root / MANIFEST_FILE}: config")
         self.programs = programs
-        self.period = programs[0][0].period
+        self.periods = {spec.phase: spec.period for spec, _ in programs}     # decode: 1 (older: per residue)
         self.bounds = {k: tuple(v) for k, v in manifest["bounds"].items()}
         m = manifest["model"]
         if m.get("dtype") not in DTYPES:
@@ -462,12 +465,12 @@ class Artifact:
         input_ids = input_ids.to(self._device)
         if start_pos == 0:
             run = self._program("prefill", s)
-            return run(*prefill_inputs(input_ids, self.period), self.caches)
+            return run(*prefill_inputs(input_ids, self.periods["prefill"]), self.caches)
         if s != 1:
             raise InputError(f"start_pos={start_pos} with {s} tokens: calls are a prefill (start_pos=0) "
                              "or a one-token decode step (start_pos>0)")
         run = self._program("decode", start_pos)
-        return run(input_ids, decode_marker(start_pos, self.period, input_ids.device), self.caches)
+        return run(input_ids, decode_marker(start_pos, self.periods["decode"], input_ids.device), self.caches)
 
 
 def _check_device(root: Path, target) -> None:

@@ -102,6 +102,31 @@ def test_manifest_records_the_pipeline_its_matches_versions_bounds_and_hashes(ex
     assert verify(artifact) == m
 
 
+def test_one_decode_program_covers_both_parities_of_a_ratio_2_model():
+    """Prefill needs one package per prompt-length residue mod the compress ratio; decode needs one:
+    tiny's decode step (ratio-2 layers) exported with period 1 spans positions 4..255 and equals
+    eager at an even and an odd position (torch.export only, no AOTInductor build)."""
+    from dsv41c.export import _export_program, cache_names, program_specs
+    assert [(s.file, s.period, s.residue) for s in program_specs(2)] == [
+        ("prefill.r0.pt2", 2, 0), ("prefill.r1.pt2", 2, 1), ("decode.pt2", 1, 0)]
+    model = dsv41c.build_model(dsv41c.ModelArgs.from_json(ROOT / "configs" / "tiny.json"), seed=0, kv_quant=True)
+    names = set(cache_names(model))
+    caches = [b for n, b in model.named_buffers() if n in names]
+    with torch.no_grad():
+        ep, bounds = _export_program(model, program_specs(2)[-1], caches, MAX_PROMPT)
+        assert bounds == (4, model.args.max_seq_len - 1)
+        ids = torch.randint(0, 250, (1, 40), generator=torch.Generator().manual_seed(0))
+        steps = torch.randint(0, 250, (1, 2), generator=torch.Generator().manual_seed(1))
+        model.reset_cache()
+        model(ids, 0)
+        after_prefill = [c.clone() for c in caches]
+        want = [model(steps[:, i:i + 1], 40 + i) for i in range(2)]            # positions 40, 41
+        for c, saved in zip(caches, after_prefill, strict=True):
+            c.copy_(saved)
+        got = [ep.module()(steps[:, i:i + 1], torch.empty(40 + i, 0), caches) for i in range(2)]
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
 # ------------------------------------------------------------------------------ loading
 def test_a_fresh_process_generates_the_eager_greedy_tokens(exported):
     model, artifact = exported
