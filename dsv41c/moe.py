@@ -173,16 +173,20 @@ class MoE(nn.Module):
         ids, order = ids.sort(dim=-1)              # each token's experts in increasing id: the §7 order
         route = route.gather(1, order)
         acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        if self.experts.groupable(x) or ids.numel() <= self.n_experts:
-            # bf16: grouped GEMMs; few tokens (decode): gathered weights. Slot j holds each token's
-            # j-th expert in increasing id, so adding the slots in turn is the per-expert order.
-            experts = self.experts.grouped if self.experts.groupable(x) else self.experts.gathered
-            outs = experts(x, route, ids)
-            for j in range(ids.shape[1]):
-                acc = acc + outs[:, j].float()
+        # bf16: grouped GEMMs; few tokens (decode): gathered weights; otherwise one expert at a time.
+        if self.experts.groupable(x):
+            outs = self.experts.grouped(x, route, ids)
+        elif ids.numel() <= self.n_experts:
+            outs = self.experts.gathered(x, route, ids)
         else:
+            outs = None
             for e in range(self.n_experts):
                 token, slot = torch.nonzero(ids == e, as_tuple=True)     # may be empty: a 0-row GEMM
                 acc.index_add_(0, token, self.experts.one(e, x[token], route[token, slot]).float())
+        if outs is not None:
+            # slot j holds each token's j-th expert in increasing id: adding the slots in turn is the
+            # per-expert order
+            for j in range(ids.shape[1]):
+                acc = acc + outs[:, j].float()
         acc = acc + self.shared_experts(x).float()
         return acc.to(x.dtype).view(shape)

@@ -63,6 +63,8 @@ def test_bf16_moe_grouped_gemm_on_cuda_matches_per_expert_loop():
     """The bf16 MoE's grouped GEMM path on CUDA (CUTLASS grouped kernel) against the per-expert
     loop of §7 with cuBLAS GEMMs; both round each GEMM to bf16 once, so they differ by GEMM
     rounding only. The configs/small.json expert shapes, 300 tokens."""
+    from test_moe import per_expert_loop
+
     from dsv41c.moe import MoE
     args = dsv41c.ModelArgs.from_json(CONFIGS / "small.json")
     torch.manual_seed(0)
@@ -71,12 +73,7 @@ def test_bf16_moe_grouped_gemm_on_cuda_matches_per_expert_loop():
         for p in moe.parameters():
             p.copy_(torch.randn_like(p, dtype=torch.float32) * p.shape[-1] ** -0.5)
         x = torch.randn(300, args.dim, device="cuda").bfloat16()
-        route, ids = moe.gate(x)
-        loop = torch.zeros(300, args.dim, device="cuda")
-        for e in range(moe.n_experts):
-            tok, slot = (ids == e).nonzero(as_tuple=True)
-            loop.index_add_(0, tok, moe.experts.one(e, x[tok], route[tok, slot]).float())
-        loop += moe.shared_experts(x).float()
+        loop = per_expert_loop(moe, x)
         got = moe(x.view(1, 300, -1))[0]
     assert moe.experts.groupable(x)
     assert rel_err(got.float(), loop) < 1e-2

@@ -229,6 +229,17 @@ def test_moe_accumulates_in_fp32_expert_order_then_shared(tiny_args):
     assert ((out.double() - exp).abs().max() / exp.abs().max()) < 3e-2
 
 
+def per_expert_loop(moe, x):
+    """§7's combination, one expert at a time through `Experts.one` in increasing id, then the
+    shared expert: fp32 [N, D]."""
+    route, ids = moe.gate(x)
+    acc = torch.zeros(x.shape[0], x.shape[1], device=x.device)
+    for e in range(moe.n_experts):
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        acc.index_add_(0, tok, moe.experts.one(e, x[tok], route[tok, slot]).float())
+    return acc + moe.shared_experts(x).float()
+
+
 def test_bf16_grouped_path_equals_per_expert_loop_with_an_empty_expert(tiny_args):
     """bf16 dense experts take the grouped GEMM for every token count; an expert no token picks is
     an empty group. The result equals the per-expert loop (`Experts.one` in increasing expert id)."""
@@ -237,13 +248,8 @@ def test_bf16_grouped_path_equals_per_expert_loop_with_an_empty_expert(tiny_args
         moe.gate.bias[1] = -1e4                                     # expert 1 is never selected
     x = torch.randn(11, tiny_args.dim).to(torch.bfloat16)
     with torch.no_grad():
-        route, ids = moe.gate(x)
-        assert not (ids == 1).any() and moe.experts.groupable(x)
-        loop = torch.zeros(11, tiny_args.dim)
-        for e in range(moe.n_experts):
-            tok, slot = (ids == e).nonzero(as_tuple=True)
-            loop.index_add_(0, tok, moe.experts.one(e, x[tok], route[tok, slot]).float())
-        loop += moe.shared_experts(x).float()
+        assert not (moe.gate(x)[1] == 1).any() and moe.experts.groupable(x)
+        loop = per_expert_loop(moe, x)
         for n in (1, 2, 11):                                        # decode-sized and prefill-sized
             assert torch.equal(moe(x[:n].view(1, n, -1))[0], loop[:n].to(torch.bfloat16))
 
