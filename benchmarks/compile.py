@@ -3,13 +3,17 @@ freezing, no passes) and `dsv41c.compile` (Inductor with frozen weights and the 
 Both compiled variants get dsv41c's `INDUCTOR_WORKAROUNDS` (settings that avoid Inductor bugs).
 A workload that fails to compile or run is recorded with its error and the run goes on.
 
-Measures prefill tokens/s at one length (batch 1) and decode tokens/s at each batch size, after a
-warm-up that compiles every graph the timed calls use (compile time is reported separately). The
+Measures prefill tokens/s at one length (batch 1) and decode tokens/s at each batch size. A first
+pass over every workload compiles every graph the timed passes use (its time is reported
+separately); the timed passes follow. With `--parallel` each variant runs in its own process: the
+compiles, which are host-bound, overlap, and the timed passes run one variant at a time once every
+compile has finished, so no compile competes with a measurement. The
 ceilings come from the same run: the device copy bandwidth against the weight bytes a decode step
 reads, and the matmul rate against the prefill's projection FLOPs (2 x active parameters x tokens;
 attention excluded, so it is a lower bound on the work).
 
     python benchmarks/compile.py --config configs/bench.json --device cuda --dtype bfloat16
+    python benchmarks/compile.py --config configs/bench.json --parallel --variants eager,torch.compile,dsv41c.compile,dsv41c.compile+lower_mhc
     python benchmarks/compile.py --config configs/tiny.json --device cpu     # minutes: CPU compiles
 
 On CPU, whole-model Inductor compiles take minutes per graph; decode compiles one graph per batch
@@ -18,9 +22,17 @@ class (batch 1 against batch > 1).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import fcntl
+import functools
 import json
 import math
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -108,18 +120,17 @@ def make_variant(name: str, model: Transformer):
 
 
 def measure(name: str, model: Transformer, a: argparse.Namespace, gen: torch.Generator, out: dict,
-            save=lambda: None) -> None:
-    """Prefill and decode rates of one variant into `out`; the first pass over each workload compiles.
-    Each workload's result is printed and saved as soon as it is measured."""
+            save=lambda: None, timing=contextlib.nullcontext) -> None:
+    """Prefill and decode rates of one variant into `out`.
+
+    Two phases: a first pass over every workload (it compiles; its time is reported), then, inside
+    the `timing()` context, the timed passes. Results are printed and saved as they come."""
     torch._dynamo.reset()
     run = make_variant(name, model)
     vocab = model.args.vocab_size
-    compile_s = 0.0
+    out["first_pass_s"] = 0.0
+    workloads = []                              # (key, seed before each timed pass, the timed pass, tokens)
 
-    def done(key: str, first_s: float) -> None:
-        print(f"  {name}: {key} {out[key]:.1f} (first pass {first_s:.0f} s)", flush=True)
-        out[f"{key}_first_pass_s"] = first_s
-        save()
     def failed(key: str, err: Exception) -> None:        # record it and go on with the next workload
         msg = str(err).strip()
         out[key] = None
@@ -128,20 +139,7 @@ def measure(name: str, model: Transformer, a: argparse.Namespace, gen: torch.Gen
         save()
     if a.prefill_len:
         ids = torch.randint(0, vocab, (1, a.prefill_len), generator=gen).to(a.device)
-
-        def prefill():
-            model.reset_cache()
-            run(ids, 0)
-
-        try:
-            t0 = time.perf_counter()
-            prefill()
-            first = time.perf_counter() - t0
-            compile_s += first
-            out["prefill_tok_s"] = a.prefill_len / timed(prefill, a.device, a.repeats)
-            done("prefill_tok_s", first)
-        except Exception as err:                            # noqa: BLE001 - a compiler failure is a result
-            failed("prefill_tok_s", err)
+        workloads.append(("prefill_tok_s", model.reset_cache, lambda: run(ids, 0), a.prefill_len))
     for batch in a.batches:
         prompt = torch.randint(0, vocab, (batch, a.decode_prompt), generator=gen).to(a.device)
         steps = torch.randint(0, vocab, (batch, a.decode_steps, 1), generator=gen).to(a.device)
@@ -153,24 +151,125 @@ def measure(name: str, model: Transformer, a: argparse.Namespace, gen: torch.Gen
         def seed(prompt=prompt):               # eager prefill: only the decode steps are timed
             model.reset_cache()
             model(prompt, 0)
+        workloads.append((f"decode_b{batch}_tok_s", seed, decode, batch * a.decode_steps))
 
+    ready = []
+    for key, seed, fn, _ in workloads:          # phase 1: compile
         try:
             seed()
+            sync(a.device)
             t0 = time.perf_counter()
-            decode()
-            first = time.perf_counter() - t0
-            compile_s += first
-            times = []
-            for _ in range(a.repeats):
-                seed()
-                times.append(timed(decode, a.device, 1))
-            out[f"decode_b{batch}_tok_s"] = batch * a.decode_steps / sorted(times)[len(times) // 2]
-            done(f"decode_b{batch}_tok_s", first)
-        except Exception as err:                            # noqa: BLE001
-            failed(f"decode_b{batch}_tok_s", err)
-    out["first_pass_s"] = compile_s
-    save()
+            fn()
+            sync(a.device)
+            out[f"{key}_first_pass_s"] = first = time.perf_counter() - t0
+            out["first_pass_s"] += first
+            print(f"  {name}: {key} compiled and ran once ({first:.0f} s)", flush=True)
+            ready.append(key)
+            save()
+        except Exception as err:                            # noqa: BLE001 - a compiler failure is a result
+            failed(key, err)
+    with timing():                              # phase 2: measure
+        for key, seed, fn, tokens in workloads:
+            if key not in ready:
+                continue
+            try:
+                times = []
+                for _ in range(a.repeats):
+                    seed()
+                    times.append(timed(fn, a.device, 1))
+                out[key] = tokens / sorted(times)[len(times) // 2]
+                print(f"  {name}: {key} {out[key]:.1f}", flush=True)
+                save()
+            except Exception as err:                        # noqa: BLE001
+                failed(key, err)
     torch._dynamo.reset()
+
+
+@contextlib.contextmanager
+def sibling_timing(sync_dir: Path, variant: str):
+    """The timing phase of one of `--parallel`'s children: say this child has compiled, wait for the
+    parent's go (every living sibling has compiled too, so no compile competes for the host), then
+    time under an exclusive lock (one sibling at a time on the device)."""
+    (sync_dir / f"ready.{variant}").touch()
+    while not (sync_dir / "go").exists():
+        time.sleep(1)
+    with device_lock(sync_dir):
+        yield
+
+
+@contextlib.contextmanager
+def device_lock(sync_dir: Path | None):
+    if sync_dir is None:
+        yield
+        return
+    with open(sync_dir / "lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def run_parallel(a: argparse.Namespace, argv: list[str]) -> dict:
+    """One child process per compiled variant, compiling at the same time; once every living child
+    has compiled, the parent lets them time one after another. Eager needs no compile: the parent
+    measures it itself after the children have exited (so the device holds one model copy fewer
+    while they compile), with the ceilings. Returns the merged record."""
+    compiled = [v for v in a.variants if v != "eager"]
+    # with --json, the children's records stay beside it (OUT.parts/), else in a temporary folder
+    parts = a.json.with_name(a.json.name + ".parts") if a.json else None
+    with contextlib.nullcontext(parts) if parts else tempfile.TemporaryDirectory(prefix="dsv41c-bench-") as tmp:
+        sync_dir = Path(tmp)
+        if parts:
+            shutil.rmtree(parts, ignore_errors=True)
+            parts.mkdir(parents=True)
+        base = strip_options([x for x in argv if x != "--parallel"], ("--variants", "--json"))
+        children = {v: subprocess.Popen([sys.executable, __file__, *base, "--variants", v,
+                                         "--json", str(sync_dir / f"{v}.json"), "--sync-dir", str(sync_dir)])
+                    for v in compiled}
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # a timeout: keep what was measured
+        stopped = False
+        try:
+            while any(p.poll() is None for p in children.values()):
+                alive = [v for v, p in children.items() if p.poll() is None]
+                if all((sync_dir / f"ready.{v}").exists() for v in alive):
+                    (sync_dir / "go").touch()
+                time.sleep(1)
+        except (SystemExit, KeyboardInterrupt):
+            stopped = True
+            print("stopped: ending the children; the table has what they measured", flush=True)
+        finally:
+            for p in children.values():
+                if p.poll() is None:
+                    p.terminate()
+                    p.wait()
+        records = {v: json.loads((sync_dir / f"{v}.json").read_text())
+                   for v in compiled if (sync_dir / f"{v}.json").exists()}
+    if "eager" in a.variants and not stopped:
+        record = run_variants(argparse.Namespace(**{**vars(a), "variants": ["eager"]}))
+        records["eager"] = record
+    elif records:
+        record = dict(next(iter(records.values())))
+    else:
+        sys.exit("every child failed before recording anything")
+    record["rows"] = [records[v]["rows"][0] if v in records else
+                      {"variant": v, "error": "nothing recorded (stopped, or failed early: see the log)"}
+                      for v in a.variants]
+    record["parallel"] = True
+    return record
+
+
+def strip_options(argv: list[str], names: tuple[str, ...]) -> list[str]:
+    """`argv` without the named options and their values (`--x v` and `--x=v`)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in names:
+            skip = True
+        elif not arg.startswith(tuple(f"{n}=" for n in names)):
+            out.append(arg)
+    return out
 
 
 def parse() -> argparse.Namespace:
@@ -190,6 +289,10 @@ def parse() -> argparse.Namespace:
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, metavar="OUT", help="also write the results as JSON")
+    p.add_argument("--parallel", action="store_true",
+                   help="one process per variant: the compiles overlap (they are host-bound), the timed "
+                        "passes run one variant at a time after every compile has finished")
+    p.add_argument("--sync-dir", type=Path, default=None, help=argparse.SUPPRESS)   # --parallel's children
     a = p.parse_args()
     gpu = a.device == "cuda"
     a.dtype = a.dtype or ("bfloat16" if gpu else "float32")
@@ -206,6 +309,13 @@ def parse() -> argparse.Namespace:
 
 def main() -> None:
     a = parse()
+    record = run_parallel(a, sys.argv[1:]) if a.parallel else run_variants(a)
+    if a.json:
+        write_json(a.json, record)
+    print_table(record, a.variants)
+
+
+def run_variants(a: argparse.Namespace) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = False
     args = dsv41c.ModelArgs.from_json(a.config)
     a.decode_prompt = a.decode_prompt or 3 * args.window_size + 1
@@ -214,11 +324,11 @@ def main() -> None:
                         max_seq_len=max(args.max_seq_len, need))
     model = dsv41c.build_model(args, seed=a.seed, dtype=DTYPES[a.dtype], kv_quant=a.kv_quant, device=a.device)
     gen = torch.Generator().manual_seed(a.seed)
-    copy_bps, flops = copy_bandwidth(a.device), matmul_rate(a.device, DTYPES[a.dtype])
+    with device_lock(a.sync_dir):
+        copy_bps, flops = copy_bandwidth(a.device), matmul_rate(a.device, DTYPES[a.dtype])
     device_name = torch.cuda.get_device_name() if a.device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"{a.config} on {device_name}, {a.dtype}, kv_quant={a.kv_quant}, torch {torch.__version__}; "
           f"copy {copy_bps / 1e9:.1f} GB/s, matmul {flops / 1e12:.2f} TFLOP/s", flush=True)
-    keys = (["prefill_tok_s"] if a.prefill_len else []) + [f"decode_b{b}_tok_s" for b in a.batches]
     ceilings = {}
     _, active = weight_bytes(model, 1)
     if a.prefill_len:
@@ -229,45 +339,59 @@ def main() -> None:
               "torch": torch.__version__, "date": datetime.date.today().isoformat(),
               "copy_bytes_per_s": copy_bps, "matmul_flop_per_s": flops, "ceilings_tok_s": ceilings,
               "prefill_len": a.prefill_len, "decode_prompt": a.decode_prompt, "decode_steps": a.decode_steps,
-              "rows": []}
+              "batches": a.batches, "rows": []}
 
     def save() -> None:  # after every workload, so a run cut short keeps what it measured
         if a.json:
-            tmp = a.json.with_name(f".{a.json.name}.tmp")
-            tmp.write_text(json.dumps(record, indent=2, default=lambda x: None if math.isnan(x) else x) + "\n")
-            tmp.replace(a.json)
+            write_json(a.json, record)
 
     for name in a.variants:
         record["rows"].append({"variant": name})
-        measure(name, model, a, gen, record["rows"][-1], save)
+        timing = functools.partial(sibling_timing, a.sync_dir, name) if a.sync_dir else contextlib.nullcontext
+        measure(name, model, a, gen, record["rows"][-1], save, timing)
         print(f"  {name}: done ({record['rows'][-1]['first_pass_s']:.0f} s first pass, compiles included)",
               flush=True)
+    return record
 
+
+def write_json(path: Path, record: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(record, indent=2, default=lambda x: None if math.isnan(x) else x) + "\n")
+    tmp.replace(path)
+
+
+def print_table(record: dict, variants: list[str]) -> None:
     rows = record["rows"]
+    ceilings = record["ceilings_tok_s"]
     base = {r["variant"]: r for r in rows}
-    header = ["workload", *(f"{v} tok/s" for v in a.variants)]
-    header += [f"{v} x eager" for v in a.variants if v != "eager" and "eager" in base]
+    header = ["workload", *(f"{v} tok/s" for v in variants)]
+    header += [f"{v} x eager" for v in variants if v != "eager" and "eager" in base]
     if {"torch.compile", "dsv41c.compile"} <= set(base):
         header.append("dsv41c x torch.compile")
     header.append("ceiling tok/s")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
-    for key in keys:
-        label = f"prefill {a.prefill_len}" if key == "prefill_tok_s" else f"decode batch {key[8:-6]}"
-        def rate(v):
+    for key in ceilings:
+        label = f"prefill {record['prefill_len']}" if key == "prefill_tok_s" else f"decode batch {key[8:-6]}"
+
+        def rate(v, key=key):
             return base[v].get(key)
 
         def ratio(v, w):
             return f"{rate(v) / rate(w):.2f}" if rate(v) and rate(w) else "-"
-        cells = [label, *(f"{rate(v):.1f}" if rate(v) else "failed" for v in a.variants)]
-        cells += [ratio(v, "eager") for v in a.variants if v != "eager" and "eager" in base]
+        cells = [label, *(f"{rate(v):.1f}" if rate(v) else "failed" for v in variants)]
+        cells += [ratio(v, "eager") for v in variants if v != "eager" and "eager" in base]
         if {"torch.compile", "dsv41c.compile"} <= set(base):
             cells.append(ratio("dsv41c.compile", "torch.compile"))
         cells.append(f"{ceilings[key]:.3g}")
         print("| " + " | ".join(cells) + " |")
-    print("first pass (compiles, s): " + ", ".join(f"{r['variant']} {r['first_pass_s']:.0f}" for r in rows))
+    print("first pass (compiles, s): " + ", ".join(f"{r['variant']} {r.get('first_pass_s', float('nan')):.0f}"
+                                                   for r in rows))
     print("ceilings: prefill = matmul rate / (2 x active parameters); decode = copy bandwidth x batch / "
           "weight bytes a step reads (dense weights + min(E, batch x k) experts per MoE)")
+    if record.get("parallel"):
+        print("(--parallel: one process per compiled variant; compiles overlapped, timed passes one variant "
+              "at a time after all compiles; eager and the ceilings measured after the children exited)")
 
 
 if __name__ == "__main__":
