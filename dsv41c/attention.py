@@ -99,6 +99,15 @@ def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     return scores.topk(k, dim=-1, sorted=False).indices
 
 
+def pad_to(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """`scores` with -inf columns appended up to at least k columns, so that a top-k list always has
+    k entries (-inf ones end up -1 or unselected). Selecting from the padded scores gives the same
+    set as a top-min(k, n) list, but the list's width no longer depends on the number of entries:
+    a traced decode step needs no guard on the position against k (one graph for every position)."""
+    n = scores.shape[-1]
+    return F.pad(scores, (0, torch.sym_max(n, k) - n), value=float("-inf"))
+
+
 # ------------------------------------------------------------------------------------ window lists
 def prefill_window_index(seqlen: int, window: int, device: torch.device) -> torch.Tensor:
     """[S, min(S,W)]: positions max(0,t-W+1)..t ascending, then -1 padding (rows of the chunk)."""
@@ -202,7 +211,9 @@ class Indexer(nn.Module):
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, state: CallState, keys: torch.Tensor,
                 rope: torch.Tensor, n_window: int) -> torch.Tensor:
-        """Top-k compressed rows per query, offset by n_window, -1 for invisible: [B,S,k'] int32."""
+        """Top-k compressed rows per query, offset by n_window, -1 for invisible: [B,S,K_I] int32.
+        The spec's list has k' = min(K_I, n_c) entries; the slots past k' are -1 here (the same
+        selection, a width that does not depend on the position)."""
         b, s, _ = x.shape
         ratio, n_c = self.role.ratio, keys.shape[1]
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
@@ -217,8 +228,7 @@ class Indexer(nn.Module):
             state.candidates = self.candidate_mask(scores, visible_len)
         elif self.role.uses_candidates:
             scores = scores.masked_fill(~state.candidates, float("-inf"))
-        k = min(self.topk, n_c)
-        idx = top_indices(scores, k).sort(dim=-1).values
+        idx = top_indices(pad_to(scores, self.topk), self.topk).sort(dim=-1).values
         idx = torch.where(idx >= visible_len.view(1, s, 1), -1, idx + n_window)
         return idx.int()
 
@@ -232,9 +242,10 @@ class Indexer(nn.Module):
         newest = (visible_len - 1).div(bs, rounding_mode="floor")             # -1: nothing to pin
         pin = (torch.arange(n_blocks, device=scores.device) == newest.unsqueeze(1)).expand_as(block)
         block = block.masked_fill(pin, float("inf"))
-        top = top_indices(block, min(self.topk_blocks, n_blocks))
+        block = pad_to(block, self.topk_blocks)
+        top = top_indices(block, self.topk_blocks)
         keep = torch.zeros_like(block, dtype=torch.bool).scatter(-1, top, True) & (block > float("-inf"))
-        return keep.repeat_interleave(bs, dim=-1)[..., :n]
+        return keep[..., :n_blocks].repeat_interleave(bs, dim=-1)[..., :n]
 
 
 # ------------------------------------------------------------------------------------ attention

@@ -22,7 +22,7 @@ Before (a decode-step window write and read, simplified):
 After:
     c, e   = dsv41c.fp8_quant(kv)
     codes' = index_put(codes, [None, slot], c); scales' = index_put(scales, [None, slot], e)
-    rows   = dsv41c.fp8_dequant(codes', scales', float32)
+    rows   = dsv41c.fp8_dequant(codes', scales', bf16=False)
 
 The window's and index keys' quantiser input is the fake-quantised vector (attention applies
 kv_quant before those writes; compressed KV entries reach a packed store un-quantised).
@@ -206,7 +206,7 @@ class _Rewrite:
         codes, scales = sorted(ins, key=lambda n: -shape(n)[-1])          # codes are the wider
         outs = self._tensors(site.outputs, reads, "output")
         target = getattr(torch.ops.dsv41c, f"{fmt}_dequant").default
-        args = (codes, scales, outs[0].meta["val"].dtype)
+        args = (codes, scales, outs[0].meta["val"].dtype == torch.bfloat16)
         fake = self._fake(target, args)
         if not all(_same(out.meta["val"], fake) for out in outs):
             raise Mismatch(f"outputs {[_desc(n.meta['val']) for n in outs]} are not the kernel's {_desc(fake)}")

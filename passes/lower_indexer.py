@@ -15,7 +15,7 @@ other sites, as in lower_sparse_attn. Operands: q [B,S,H,d], the keys [B,n,d], t
 
     idx = int(where(ge(sorted, view(visible_len)), -1, add(sorted, offset)))
 
-The keys must be a packed cache read, `dsv41c.mxfp4_dequant(codes, scales, bf16)` as the `fp4_kv`
+The keys must be a packed cache read, `dsv41c.mxfp4_dequant(codes, scales, bf16=True)` as the `fp4_kv`
 pass leaves it; the kernel then reads the MXFP4 codes and scales directly and the dequantised keys
 disappear. Per site:
 
@@ -338,8 +338,8 @@ def _fake_arg(a):
 
 
 def _dequant_of(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
-    """(codes, scales) if node is `dsv41c.mxfp4_dequant(codes, scales, bf16)`."""
+    """(codes, scales) if node is `dsv41c.mxfp4_dequant(codes, scales, bf16=True)`."""
     op = torch.ops.dsv41c.mxfp4_dequant.default
-    if _target_is(node, op) and len(node.args) >= 3 and node.args[2] == torch.bfloat16:
+    if _target_is(node, op) and len(node.args) >= 3 and node.args[2] is True:
         return node.args[0], node.args[1]
     return None

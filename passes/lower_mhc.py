@@ -74,6 +74,17 @@ def find_sites(graph: fx.Graph) -> list[Site]:
     return provenance.find_sites(graph, _site_key, Site)
 
 
+def _stored(node: fx.Node) -> fx.Node:
+    """The tensor as the model stores it, looking through upcasts of the whole tensor. With bf16
+    streams the eager ops read `h.float()`; Inductor's CSE may leave one such upcast, traced from
+    another site, as this site's input. The kernels take the stored dtype and compute in fp32."""
+    while node.target in (torch.ops.prims.convert_element_type.default, aten._to_copy.default) \
+            and isinstance(node.args[0], fx.Node) and _shape(node.args[0]) == _shape(node) \
+            and node.meta["val"].dtype == torch.float32:
+        node = node.args[0]
+    return node
+
+
 class LowerMHC(ModelPass):
     name = "lower_mhc"
 
@@ -123,6 +134,7 @@ class _Rewrite:
             for node in site.inputs:
                 self.readers[node].append(site)
         self.expand_inputs = {n for s in sites if s.kind == "hc_expand" for n in s.inputs}
+        self.mhc_nodes = set().union(*(s.nodes for s in sites))
         self.subst: dict[fx.Node, fx.Node] = {}
         self.done: set[Site] = set()
         self.added = 0
@@ -155,7 +167,8 @@ class _Rewrite:
         return f"post_collapse at {site.module or 'model'}" + ("" if collapse is not None else " (no collapse)")
 
     def pre_site(self, mixes: Site) -> str | None:
-        h = self._by_shape(mixes, [n for n in mixes.inputs if n.op != "get_attr"], (self.m, self.d), "streams")
+        h = _stored(self._by_shape(mixes, [n for n in mixes.inputs if n.op != "get_attr"], (self.m, self.d),
+                                   "streams"))
         collapse = next((s for s in self.readers[h] if s.kind == "hc_collapse" and s not in self.done), None)
         if collapse is None:
             return None
@@ -167,11 +180,14 @@ class _Rewrite:
         return f"pre at {mixes.module}"
 
     # ------------------------------------------------------------------ site structure
-    @staticmethod
-    def _outputs(site: Site, count: int) -> list[fx.Node]:
-        if len(site.outputs) != count:
-            raise PassError(f"lower_mhc: {site.describe()} has {len(site.outputs)} outputs, expected {count}")
-        return site.outputs
+    def _outputs(self, site: Site, count: int) -> list[fx.Node]:
+        """The site's outputs, less upcasts of its input that only other mHC sites read (`_stored`:
+        those sites take the stored tensor instead)."""
+        outs = [n for n in site.outputs
+                if _stored(n) is n or not all(u in self.mhc_nodes for u in n.users)]
+        if len(outs) != count:
+            raise PassError(f"lower_mhc: {site.describe()} has {len(outs)} outputs, expected {count}")
+        return outs
 
     @staticmethod
     def _by_shape(site: Site, nodes, tail: tuple, what: str, rank: int | None = None) -> fx.Node:
@@ -185,10 +201,10 @@ class _Rewrite:
     def _expand_inputs(self, site: Site):
         m, d = self.m, self.d
         tensors = [n for n in site.inputs if n.op != "get_attr" and _shape(n)]
-        res = self._by_shape(site, tensors, (m, d), "streams")
+        res = _stored(self._by_shape(site, tensors, (m, d), "streams"))
         rank = len(_shape(res))
         comb = self._by_shape(site, tensors, (m, m), "comb", rank)
-        y = self._by_shape(site, tensors, (d,), "sublayer output", rank - 1)
+        y = _stored(self._by_shape(site, tensors, (d,), "sublayer output", rank - 1))
         post = self._by_shape(site, tensors, (m,), "post", rank - 1)
         return y, res, post, comb
 
@@ -256,8 +272,7 @@ class _Rewrite:
             return nodes
         order = {n: i for i, n in enumerate(self.graph.nodes)}
         last = max(nodes, key=order.__getitem__)
-        mhc_nodes = set().union(*(s.nodes for s in self.sites))
-        others_in_sites = all(u in mhc_nodes for n in nodes if n is not last for u in n.users)
+        others_in_sites = all(u in self.mhc_nodes for n in nodes if n is not last for u in n.users)
         return [last] if others_in_sites else nodes
 
     def _replace(self, old: fx.Node, new: fx.Node) -> None:

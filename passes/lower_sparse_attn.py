@@ -197,9 +197,9 @@ def _output(site: Site, in_sites: set) -> fx.Node:
 
 
 def _dequant_of(node: fx.Node, fmt: str, dtype: torch.dtype) -> tuple[fx.Node, fx.Node] | None:
-    """(codes, scales) if node is `dsv41c.<fmt>_dequant(codes, scales, dtype)`."""
+    """(codes, scales) if node is `dsv41c.<fmt>_dequant(codes, scales, bf16)` giving `dtype`."""
     op = getattr(torch.ops.dsv41c, f"{fmt}_dequant").default
-    if _target_is(node, op) and len(node.args) >= 3 and node.args[2] == dtype:
+    if _target_is(node, op) and len(node.args) >= 3 and node.args[2] == (dtype == torch.bfloat16):
         return node.args[0], node.args[1]
     return None
 

@@ -281,12 +281,13 @@ def test_indexer_decode_all_visible_offset_by_window(tiny_args):
     naive = _naive_scores(ix, args, x, qr, keys, table)
     for b in range(B):
         _check_topk(out[b, 0].tolist(), naive[b, 0].tolist(), n_c, 3, W)
-    # k' = min(K_I, n_c): with a large K_I every entry is listed, ascending
+    # k' = min(K_I, n_c): with a large K_I every entry is listed, ascending; the list keeps K_I
+    # slots, the ones past k' are -1 (a fixed width: no position-dependent shape in decode)
     args8 = dataclasses.replace(tiny_args, index_topk=64)
     ix8 = _indexer(args8, _kv_role(2))
     out8 = ix8(x, qr, _state(p0, 1, B), keys, table, W)
-    assert out8.shape == (B, 1, n_c)
-    assert out8[:, 0].tolist() == [[W + j for j in range(n_c)]] * B
+    assert out8.shape == (B, 1, 64)
+    assert out8[:, 0].tolist() == [[W + j for j in range(n_c)] + [-1] * (64 - n_c)] * B
 
 
 def _controlled_reindexer(tiny_args):

@@ -41,3 +41,24 @@ def test_prefill_and_decode_capture_without_breaks_and_bounded_recompiles(traced
     # reaching index_topk can add a graph: a few in all, and none once that settles
     assert frames[-1] <= 5, frames
     assert frames[-1] == frames[9], frames
+
+
+
+def test_decode_is_one_graph_while_the_top_k_lists_are_longer_than_the_cache():
+    """index_topk and candidate_topk_blocks beyond the entries a decode step sees (as bench.json at
+    a short context): the lists keep their width (-1 padding), so no position adds a graph. bf16:
+    its sparse attention loops over blocks of the list, as the official kernel does."""
+    args = dsv41c.ModelArgs.from_json(TINY).replace(index_topk=64, candidate_topk_blocks=24)
+    eager, traced = (dsv41c.build_model(args, seed=0, dtype=torch.bfloat16) for _ in range(2))
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    fn = torch.compile(traced.forward, backend=counter, fullgraph=True, dynamic=True)
+    ids = torch.randint(0, 259, (1, 40))
+    token = eager(ids, 0).argmax(-1, keepdim=True)
+    traced(ids, 0)                                  # the same caches, filled eagerly
+    for p in range(40, 52):                         # at most 52 entries per layer: fewer than 64
+        ref, out = eager(token, p), fn(token, p)
+        assert torch.equal(out, ref), p
+        token = ref.argmax(-1, keepdim=True)
+    assert counter.frame_count == 1
+    torch._dynamo.reset()

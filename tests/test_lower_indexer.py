@@ -25,7 +25,7 @@ from dsv41c.config import ModelArgs, build_layer_plan
 from dsv41c.passes.lower_indexer import LowerIndexer, _key
 from dsv41c.passes.manager import PassError, PassPipeline
 from dsv41c.tilelang_kernels import indexer as _kernels  # noqa: F401  (registers dsv41c::index_*)
-from dsv41c.tilelang_kernels import quant as _codecs  # noqa: F401  (registers dsv41c::mxfp4_*)
+from dsv41c.tilelang_kernels import quant as _codecs
 
 KERNELS = ("index_scores", "candidate_blocks", "index_topk")
 OVERRIDES = dict(THREE_KINDS, hc_sinkhorn_iters=1, candidate_block_size=8, candidate_topk_blocks=2,
@@ -80,7 +80,7 @@ class TwoIndexers(nn.Module):
 
     def forward(self, x, qr, codes, scales, rope, start_pos: int):
         state = CallState(start_pos, x.shape[1], x.shape[0], {}, None)
-        keys = torch.ops.dsv41c.mxfp4_dequant(codes, scales, x.dtype) if self.packed else codes
+        keys = _codecs.mxfp4_dequant(codes, scales, x.dtype) if self.packed else codes
         return self.source(x, qr, state, keys, rope, self.window), self.user(x, qr, state, keys, rope, self.window)
 
 

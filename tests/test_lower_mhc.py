@@ -1,5 +1,7 @@
 """lower_mhc on the whole model (passes_only backend: the rewritten post-grad graph runs as is, the
 mHC kernels through their TileLang C builds) and its strict-mode failures on small graphs."""
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import THREE_KINDS, record_tiny_cut
@@ -9,6 +11,7 @@ from dsv41c import golden, mhc
 from dsv41c.passes.lower_mhc import LowerMHC, find_sites
 from dsv41c.passes.manager import PassError, PassPipeline
 
+ROOT = Path(__file__).resolve().parents[1]
 KERNELS = ("mhc_pre", "mhc_post_pre", "mhc_post_collapse")
 
 
@@ -58,6 +61,27 @@ def test_lowered_model_matches_eager_and_golden(lowered):
     compiled_rows = [r for r in report.rows if r.subject == "compiled"]
     assert len(compiled_rows) == 4 and all(r.error <= 1e-4 for r in compiled_rows[:3])
     assert report.first_divergence is None
+
+
+def test_bf16_streams_lower_every_site_and_stay_within_the_bf16_bound():
+    """bf16 streams: the eager ops read `h.float()`, and Inductor's CSE leaves such upcasts shared
+    between sites; the kernels take the stored bf16 streams. Prefill of the same cut as above."""
+    from conftest import THREE_KINDS
+    args = dsv41c.ModelArgs.from_json(ROOT / "configs" / "tiny.json").replace(
+        **THREE_KINDS, hc_sinkhorn_iters=2, engram_layer_ids=[0, 2])
+    model = dsv41c.build_model(args, seed=0, dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    compiled = dsv41c.compile(model, passes=("fuse_wqa_wkv", "lower_mhc"), strict=True, backend="passes_only",
+                              keep_code=True)
+    ids = torch.randint(0, args.vocab_size, (1, 12))
+    out = compiled(ids, 0).float()
+    model.reset_cache()
+    ref = model(ids, 0).float()
+    assert out.isfinite().all() and (out - ref).abs().max() <= 2e-2 * ref.abs().max()
+    code = next(s for s in compiled.snapshots if s.stage == "lower_mhc").code
+    calls = {k: code.count(f"torch.ops.dsv41c.{k}.default(") for k in KERNELS}
+    assert calls == expected_calls(args.n_layers, {0, 2}), calls
+    torch._dynamo.reset()
 
 
 class Args:

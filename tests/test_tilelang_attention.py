@@ -24,6 +24,7 @@ from dsv41c.attention import sparse_attn as eager_sparse_attn
 from dsv41c.passes.lower_sparse_attn import LowerSparseAttn
 from dsv41c.passes.manager import PassError, PassPipeline
 from dsv41c.tilelang_kernels import attention as A
+from dsv41c.tilelang_kernels import quant as tq
 
 DTYPES = (torch.float32, torch.bfloat16)
 D_CPU = 128  # one head dim (and scale) for every CPU test: each kernel variant builds once
@@ -189,8 +190,8 @@ class ThreeAttentions(nn.Module):
         self.plain, self.packed, self.ring = (OneAttention(h, d) for _ in range(3))
 
     def forward(self, q, kv, wc, ws, cc, cs, idx, idx_w):
-        ring = torch.ops.dsv41c.fp8_dequant(wc, ws, q.dtype)
-        rows = torch.cat([ring, torch.ops.dsv41c.fp4_e4m3_dequant(cc, cs, q.dtype)], dim=1)
+        ring = tq.fp8_dequant(wc, ws, q.dtype)
+        rows = torch.cat([ring, tq.fp4_e4m3_dequant(cc, cs, q.dtype)], dim=1)
         return self.plain(q, kv, idx_w) + self.packed(2 * q, rows, idx) + self.ring(q, ring, idx_w)
 
 

@@ -144,7 +144,7 @@ def check_quant(fmt, dtype, rows, n, device, seed):
 
 
 def check_dequant(fmt, dtype, q, s, device, what):
-    y = OPS[fmt][1](q.to(device), s.to(device), dtype)
+    y = OPS[fmt][1](q.to(device), s.to(device), dtype == torch.bfloat16)
     assert_bits(y, REFS[fmt][1](q, s, dtype), f"{fmt} dequant to {dtype}, {what}")
 
 
@@ -194,7 +194,7 @@ def test_non_finite_blocks_cpu(fmt):
     q_ref, s_ref = REFS[fmt][0](x)
     assert_bits(q, q_ref, f"{fmt} values, seed {seed}")
     assert_bits(s, s_ref, f"{fmt} scales, seed {seed}")
-    y = OPS[fmt][1](q, s, torch.float32)
+    y = OPS[fmt][1](q, s, False)
     block = K.FORMATS[fmt]
     bad = torch.zeros_like(x, dtype=torch.bool)
     for r, c in ((0, 3), (1, 40), (2, 77)):
@@ -244,7 +244,7 @@ def test_packed_row_bytes_shapes_and_leading_dims(fmt):
     q_ref, s_ref = REFS[fmt][0](x)
     assert_bits(q, q_ref, fmt)
     assert_bits(s, s_ref, fmt)
-    y = OPS[fmt][1](q, s, torch.bfloat16)
+    y = OPS[fmt][1](q, s, True)
     assert y.shape == x.shape and y.dtype == torch.bfloat16
     assert_bits(y, REFS[fmt][1](q_ref, s_ref, torch.bfloat16), fmt)
 
@@ -262,7 +262,7 @@ def test_dynamic_rows_one_build_per_key():
         assert_bits(s, s_ref, "scales")
     q, s = OPS[fmt][0](torch.randn(0, n))  # (the ref cannot reshape empty inputs)
     assert q.shape == (0, n // 2) and s.shape == (0, n // 32)
-    assert OPS[fmt][1](q, s, torch.float32).shape == (0, n)
+    assert OPS[fmt][1](q, s, False).shape == (0, n)
     assert K.build.cache_info().currsize == before
 
 
@@ -278,8 +278,10 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="fp32 or bf16"):
         OPS["fp8"][0](torch.randn(2, 32, dtype=torch.float16))
     with pytest.raises(ValueError, match="do not match"):
-        OPS["mxfp4"][1](torch.zeros(2, 60, dtype=torch.uint8), torch.zeros(2, 4, dtype=torch.uint8),
-                        torch.float32)
+        OPS["mxfp4"][1](torch.zeros(2, 60, dtype=torch.uint8), torch.zeros(2, 4, dtype=torch.uint8), False)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        K.mxfp4_dequant(torch.zeros(2, 64, dtype=torch.uint8), torch.zeros(2, 4, dtype=torch.uint8),
+                        torch.float16)
 
 
 @pytest.mark.parametrize("fmt", FMTS)
@@ -290,7 +292,7 @@ def test_opcheck(fmt):
         x = make_rows(fmt, dtype, 5, n, fresh_seed()).reshape(5, 1, n)
         torch.library.opcheck(OPS[fmt][0], (x,), test_utils=utils)
         q, s = REFS[fmt][0](x)
-        torch.library.opcheck(OPS[fmt][1], (q, s, dtype), test_utils=utils)
+        torch.library.opcheck(OPS[fmt][1], (q, s, dtype == torch.bfloat16), test_utils=utils)
 
 
 # ----------------------------------------------------------------------------------- CUDA
@@ -332,7 +334,7 @@ def test_cuda_bit_identical(fmt, dtype):
     q_ref, s_ref = REFS[fmt][0](x)
     assert_bits(q, q_ref, "non-finite values")
     assert_bits(s, s_ref, "non-finite scales")
-    y = OPS[fmt][1](q, s, dtype)
+    y = OPS[fmt][1](q, s, dtype == torch.bfloat16)
     assert torch.equal(torch.isnan(y).cpu(), torch.isnan(REFS[fmt][1](q_ref, s_ref, dtype)))
 
 
@@ -344,8 +346,8 @@ def test_cuda_leading_dims_and_opcheck(fmt):
     x = make_rows(fmt, torch.bfloat16, 6, n, fresh_seed()).reshape(2, 3, n).cuda()
     q, s = OPS[fmt][0](x)
     assert q.is_cuda and q.shape[-1] + s.shape[-1] == ROW_BYTES[fmt] and q.shape[:2] == (2, 3)
-    y = OPS[fmt][1](q, s, torch.bfloat16)
+    y = OPS[fmt][1](q, s, True)
     assert y.is_cuda and y.shape == x.shape
     utils = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
     torch.library.opcheck(OPS[fmt][0], (x,), test_utils=utils)
-    torch.library.opcheck(OPS[fmt][1], (q, s, torch.float32), test_utils=utils)
+    torch.library.opcheck(OPS[fmt][1], (q, s, False), test_utils=utils)

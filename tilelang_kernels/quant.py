@@ -4,7 +4,7 @@ Ops (`torch.ops.dsv41c.*`), x [..., n] fp32 or bf16, n a multiple of the format'
   fp8_quant(x)      -> (E4M3 codes u8 [..., n], UE8M0 u8 [..., n/32])       512 -> 528 B (SWA KV)
   fp4_e4m3_quant(x) -> (packed E2M1 u8 [..., n/2], E4M3 u8 [..., n/16])   512 -> 288 B (compressed KV)
   mxfp4_quant(x)    -> (packed E2M1 u8 [..., n/2], UE8M0 u8 [..., n/32])  128 -> 68 B (index keys)
-  <fmt>_dequant(values, scales, dtype) -> [..., n] in dtype (float32 or bfloat16)
+  <fmt>_dequant(values, scales, bf16) -> [..., n] in bfloat16 if bf16 else float32
 E2M1 packing: element 2i in the low nibble, 2i+1 in the high nibble.
 
 The torch references are `dsv41c.quant.<fmt>_quant_ref` / `<fmt>_dequant_ref`; the kernels are bit
@@ -648,14 +648,27 @@ def _dequant(fmt, values, scales, dtype):
     return out
 
 
+def _out_dtype(bf16: bool) -> torch.dtype:
+    return torch.bfloat16 if bf16 else torch.float32
+
+
+def dequant_flag(dtype: torch.dtype) -> bool:
+    """The dequant ops' `bf16` argument for an output dtype (float32 or bfloat16)."""
+    if dtype not in _DTYPES:
+        raise ValueError(f"dequant: dtype must be float32 or bfloat16, got {dtype}")
+    return dtype == torch.bfloat16
+
+
 def _register(fmt):
     q = torch.library.custom_op(f"dsv41c::{fmt}_quant", mutates_args=(),
                                 schema="(Tensor x) -> (Tensor, Tensor)")(lambda x: _quant(fmt, x))
     q.register_fake(lambda x: _quant_fake(fmt, x))
+    # the output dtype is a bool, not a ScalarType: torch 2.11's AOTInductor proxy executor reads a
+    # ScalarType argument in the export schema's numbering (float32 arrives as float64)
     dq = torch.library.custom_op(f"dsv41c::{fmt}_dequant", mutates_args=(),
-                                 schema="(Tensor values, Tensor scales, ScalarType dtype) -> Tensor")(
-        lambda values, scales, dtype: _dequant(fmt, values, scales, dtype))
-    dq.register_fake(lambda values, scales, dtype: _dequant_fake(fmt, values, scales, dtype))
+                                 schema="(Tensor values, Tensor scales, bool bf16) -> Tensor")(
+        lambda values, scales, bf16: _dequant(fmt, values, scales, _out_dtype(bf16)))
+    dq.register_fake(lambda values, scales, bf16: _dequant_fake(fmt, values, scales, _out_dtype(bf16)))
     return q, dq
 
 
@@ -669,7 +682,7 @@ def fp8_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def fp8_dequant(values, scales, dtype=torch.float32) -> torch.Tensor:
     """Inverse of fp8_quant, in dtype (fp32 or bf16); = fp8_dequant_ref."""
-    return torch.ops.dsv41c.fp8_dequant(values, scales, dtype)
+    return torch.ops.dsv41c.fp8_dequant(values, scales, dequant_flag(dtype))
 
 
 def fp4_e4m3_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -679,7 +692,7 @@ def fp4_e4m3_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def fp4_e4m3_dequant(values, scales, dtype=torch.float32) -> torch.Tensor:
     """Inverse of fp4_e4m3_quant, in dtype (fp32 or bf16); = fp4_e4m3_dequant_ref."""
-    return torch.ops.dsv41c.fp4_e4m3_dequant(values, scales, dtype)
+    return torch.ops.dsv41c.fp4_e4m3_dequant(values, scales, dequant_flag(dtype))
 
 
 def mxfp4_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -689,4 +702,4 @@ def mxfp4_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def mxfp4_dequant(values, scales, dtype=torch.float32) -> torch.Tensor:
     """Inverse of mxfp4_quant, in dtype (fp32 or bf16); = mxfp4_dequant_ref."""
-    return torch.ops.dsv41c.mxfp4_dequant(values, scales, dtype)
+    return torch.ops.dsv41c.mxfp4_dequant(values, scales, dequant_flag(dtype))
