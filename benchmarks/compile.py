@@ -186,23 +186,29 @@ def measure(name: str, model: Transformer, a: argparse.Namespace, gen: torch.Gen
 
 
 @contextlib.contextmanager
-def sibling_timing(sync_dir: Path, variant: str):
+def sibling_timing(sync_dir: Path, variant: str, lock: Path):
     """The timing phase of one of `--parallel`'s children: say this child has compiled, wait for the
     parent's go (every living sibling has compiled too, so no compile competes for the host), then
     time under an exclusive lock (one sibling at a time on the device)."""
     (sync_dir / f"ready.{variant}").touch()
     while not (sync_dir / "go").exists():
         time.sleep(1)
-    with device_lock(sync_dir):
+    with device_lock(lock):
         yield
+
+
+def lock_file(a: argparse.Namespace) -> Path | None:
+    """The lock the timed passes hold: --device-lock, else (a --parallel child) its group's."""
+    return a.device_lock or (a.sync_dir / "lock" if a.sync_dir else None)
 
 
 @contextlib.contextmanager
-def device_lock(sync_dir: Path | None):
-    if sync_dir is None:
+def device_lock(path: Path | None):
+    """Hold an exclusive lock on `path` (no lock for None)."""
+    if path is None:
         yield
         return
-    with open(sync_dir / "lock", "w") as f:
+    with open(path, "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
@@ -292,6 +298,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--parallel", action="store_true",
                    help="one process per variant: the compiles overlap (they are host-bound), the timed "
                         "passes run one variant at a time after every compile has finished")
+    p.add_argument("--device-lock", type=Path, default=None, metavar="FILE",
+                   help="a lock file shared with other runs on the same device: timed passes hold it")
     p.add_argument("--sync-dir", type=Path, default=None, help=argparse.SUPPRESS)   # --parallel's children
     a = p.parse_args()
     gpu = a.device == "cuda"
@@ -324,7 +332,7 @@ def run_variants(a: argparse.Namespace) -> dict:
                         max_seq_len=max(args.max_seq_len, need))
     model = dsv41c.build_model(args, seed=a.seed, dtype=DTYPES[a.dtype], kv_quant=a.kv_quant, device=a.device)
     gen = torch.Generator().manual_seed(a.seed)
-    with device_lock(a.sync_dir):
+    with device_lock(lock_file(a)):
         copy_bps, flops = copy_bandwidth(a.device), matmul_rate(a.device, DTYPES[a.dtype])
     device_name = torch.cuda.get_device_name() if a.device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"{a.config} on {device_name}, {a.dtype}, kv_quant={a.kv_quant}, torch {torch.__version__}; "
@@ -347,7 +355,8 @@ def run_variants(a: argparse.Namespace) -> dict:
 
     for name in a.variants:
         record["rows"].append({"variant": name})
-        timing = functools.partial(sibling_timing, a.sync_dir, name) if a.sync_dir else contextlib.nullcontext
+        timing = (functools.partial(sibling_timing, a.sync_dir, name, lock_file(a)) if a.sync_dir else
+                  functools.partial(device_lock, lock_file(a)))
         measure(name, model, a, gen, record["rows"][-1], save, timing)
         print(f"  {name}: done ({record['rows'][-1]['first_pass_s']:.0f} s first pass, compiles included)",
               flush=True)

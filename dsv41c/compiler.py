@@ -222,7 +222,7 @@ class CompiledModel:
 
     def __call__(self, input_ids: torch.Tensor, start_pos: int = 0, full_logits: bool = False,
                  return_hidden: bool = False):
-        self.model.check_inputs(input_ids, start_pos)          # eager-side checks (values of ids)
+        self.model.check_inputs(input_ids, start_pos)          # eager-side checks (Transformer.check_inputs)
         t0, graphs = time.perf_counter(), self.graphs
         with torch.no_grad(), \
                 torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, specialize_float=True), \

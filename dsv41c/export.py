@@ -460,7 +460,8 @@ class Artifact:
         b, s = input_ids.shape
         if b != BATCH:
             raise InputError(f"input_ids: the artifact is exported for batch {BATCH}, found batch {b}")
-        if s and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.args.vocab_size):
+        host_read = input_ids.device.type == "cpu" or start_pos == 0   # as Transformer.check_inputs
+        if s and host_read and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.args.vocab_size):
             raise InputError(f"input_ids: token ids outside the vocabulary 0..{self.args.vocab_size - 1}")
         input_ids = input_ids.to(self._device)
         if start_pos == 0:

@@ -160,7 +160,10 @@ class Transformer(nn.Module):
                              "or a one-token decode step (start_pos>0)")
         if start_pos + s > a.max_seq_len:
             raise InputError(f"sequence of {start_pos + s} tokens exceeds max_seq_len={a.max_seq_len}")
-        if not torch.compiler.is_compiling():
+        # the values: reading them back from a device waits for the work queued before, so a decode
+        # step's ids on the device (the previous step's argmax, in range by construction) are not
+        # read; host ids and every prefill are
+        if not torch.compiler.is_compiling() and (ids.device.type == "cpu" or start_pos == 0):
             lo, hi = int(ids.min()), int(ids.max())
             if lo < 0 or hi >= a.vocab_size:
                 raise InputError(f"input_ids: token id {lo if lo < 0 else hi} outside the vocabulary "
