@@ -54,7 +54,7 @@ def module_of(node: fx.Node) -> str:
 def site_key(node: fx.Node, source: str, functions: Collection[str]) -> tuple | None:
     """(module path, eager frames up to the call, function) of the outermost frame of `node` that
     is one of `functions` in a file ending with `source`, else None."""
-    if is_size(node):                             # a size read belongs to no call (_reread_sym_sizes)
+    if is_size(node) or is_shape_arithmetic(node):  # sizes belong to no call (_reread_sym_sizes)
         return None
     found = frames(node)
     for i, (path, _, func, _) in enumerate(found):
@@ -161,6 +161,12 @@ def _reread_sym_sizes(graph: fx.Graph, owner: dict) -> None:
 def is_size(node: fx.Node) -> bool:
     """A symbolic size read (`aten.sym_size.int`), which keeps no site alive (see `prune`)."""
     return node.op == "call_function" and node.target is torch.ops.aten.sym_size.int
+
+
+def is_shape_arithmetic(node: fx.Node) -> bool:
+    """Arithmetic on symbolic sizes (e.g. batch x length for a flatten), which Dynamo traces at the
+    line that needed it but shares with every later view of the same shape."""
+    return isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool))
 
 
 def prune(graph: fx.Graph) -> None:

@@ -1,5 +1,6 @@
 """lower_mhc on the whole model (passes_only backend: the rewritten post-grad graph runs as is, the
 mHC kernels through their TileLang C builds) and its strict-mode failures on small graphs."""
+import operator
 from pathlib import Path
 
 import pytest
@@ -64,8 +65,10 @@ def test_lowered_model_matches_eager_and_golden(lowered):
 
 
 def test_bf16_streams_lower_every_site_and_stay_within_the_bf16_bound():
-    """bf16 streams: the eager ops read `h.float()`, and Inductor's CSE leaves such upcasts shared
-    between sites; the kernels take the stored bf16 streams. Prefill of the same cut as above."""
+    """bf16 streams, batch 2 (a symbolic batch): the eager ops read `h.float()`, and Inductor's CSE
+    leaves such upcasts shared between sites; the kernels take the stored bf16 streams. Shape
+    arithmetic traced in mhc.py (batch x length) is shared by later views and belongs to no site.
+    Prefill and one decode step of the same cut as above."""
     from conftest import THREE_KINDS
     args = dsv41c.ModelArgs.from_json(ROOT / "configs" / "tiny.json").replace(
         **THREE_KINDS, hc_sinkhorn_iters=2, engram_layer_ids=[0, 2])
@@ -73,15 +76,34 @@ def test_bf16_streams_lower_every_site_and_stay_within_the_bf16_bound():
     torch._dynamo.reset()
     compiled = dsv41c.compile(model, passes=("fuse_wqa_wkv", "lower_mhc"), strict=True, backend="passes_only",
                               keep_code=True)
-    ids = torch.randint(0, args.vocab_size, (1, 12))
-    out = compiled(ids, 0).float()
+    ids = torch.randint(0, args.vocab_size, (2, 12))
+    token = torch.randint(0, args.vocab_size, (2, 1))
+    out = [compiled(ids, 0).float(), compiled(token, 12).float()]
     model.reset_cache()
-    ref = model(ids, 0).float()
-    assert out.isfinite().all() and (out - ref).abs().max() <= 2e-2 * ref.abs().max()
-    code = next(s for s in compiled.snapshots if s.stage == "lower_mhc").code
-    calls = {k: code.count(f"torch.ops.dsv41c.{k}.default(") for k in KERNELS}
-    assert calls == expected_calls(args.n_layers, {0, 2}), calls
+    ref = [model(ids, 0).float(), model(token, 12).float()]
+    for o, r in zip(out, ref, strict=True):
+        assert o.isfinite().all() and (o - r).abs().max() <= 2e-2 * r.abs().max()
+    want = expected_calls(args.n_layers, {0, 2})
+    for graph in (1, 2):                                  # prefill, decode step
+        code = next(s for s in compiled.snapshots if s.graph == graph and s.stage == "lower_mhc").code
+        assert {k: code.count(f"torch.ops.dsv41c.{k}.default(") for k in KERNELS} == want, graph
     torch._dynamo.reset()
+
+
+def test_shape_arithmetic_belongs_to_no_site():
+    """A product of symbolic sizes traced at an mHC line (batch x length, for a flatten) is shared
+    by every later view of that shape, so it is never a site's node (small.json, batch 2, bf16: it
+    was left behind as an 'eager mHC op' once the sites were lowered)."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from dsv41c.passes.lower_mhc import _site_key
+    graph = torch.fx.Graph()
+    a, b = graph.placeholder("a"), graph.placeholder("b")
+    trace = 'File "/src/dsv41c/mhc.py", line 31, in hc_mixes\n    s = h.flatten(-2).float()\n'
+    size = graph.call_function(operator.mul, (a, b))
+    size.meta.update(val=ShapeEnv().create_unbacked_symint() * 2, stack_trace=trace)
+    tensor = graph.call_function(torch.ops.aten.mul.Tensor, (a, b))
+    tensor.meta.update(val=torch.empty(2), stack_trace=trace)
+    assert _site_key(tensor) is not None and _site_key(size) is None
 
 
 class Args:
