@@ -43,7 +43,6 @@ def test_prefill_and_decode_capture_without_breaks_and_bounded_recompiles(traced
     assert frames[-1] == frames[9], frames
 
 
-
 def test_decode_is_one_graph_while_the_top_k_lists_are_longer_than_the_cache():
     """index_topk and candidate_topk_blocks beyond the entries a decode step sees (as bench.json at
     a short context): the lists keep their width (-1 padding), so no position adds a graph. bf16:

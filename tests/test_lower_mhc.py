@@ -69,7 +69,6 @@ def test_bf16_streams_lower_every_site_and_stay_within_the_bf16_bound():
     leaves such upcasts shared between sites; the kernels take the stored bf16 streams. Shape
     arithmetic traced in mhc.py (batch x length) is shared by later views and belongs to no site.
     Prefill and one decode step of the same cut as above."""
-    from conftest import THREE_KINDS
     args = dsv41c.ModelArgs.from_json(ROOT / "configs" / "tiny.json").replace(
         **THREE_KINDS, hc_sinkhorn_iters=2, engram_layer_ids=[0, 2])
     model = dsv41c.build_model(args, seed=0, dtype=torch.bfloat16)
