@@ -57,7 +57,7 @@ from dsv41c.compiler import DEFAULT_PASSES, inductor_options
 from dsv41c.config import ModelArgs, build_layer_plan
 from dsv41c.errors import ArtifactError, InputError
 from dsv41c.golden import file_sha256
-from dsv41c.model import Transformer
+from dsv41c.model import Transformer, check_token_range
 from dsv41c.passes.manager import build_pipeline
 from dsv41c.tokenizer import Tokenizer
 
@@ -460,9 +460,7 @@ class Artifact:
         b, s = input_ids.shape
         if b != BATCH:
             raise InputError(f"input_ids: the artifact is exported for batch {BATCH}, found batch {b}")
-        host_read = input_ids.device.type == "cpu" or start_pos == 0   # as Transformer.check_inputs
-        if s and host_read and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.args.vocab_size):
-            raise InputError(f"input_ids: token ids outside the vocabulary 0..{self.args.vocab_size - 1}")
+        check_token_range(input_ids, start_pos, self.args.vocab_size)
         input_ids = input_ids.to(self._device)
         if start_pos == 0:
             run = self._program("prefill", s)

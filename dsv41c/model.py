@@ -87,6 +87,17 @@ class Block(nn.Module):
         return h, f_pre
 
 
+def check_token_range(ids: torch.Tensor, start_pos: int, vocab_size: int) -> None:
+    """InputError for a token id outside 0..vocab_size-1. Reading the ids back from a device waits
+    for the work queued before them, so a decode step's ids on the device (the previous step's
+    argmax, in range by construction) are not read; host ids and every prefill are."""
+    if ids.numel() and (ids.device.type == "cpu" or start_pos == 0):
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= vocab_size:
+            raise InputError(f"input_ids: token id {lo if lo < 0 else hi} outside the vocabulary "
+                             f"0..{vocab_size - 1}")
+
+
 class Transformer(nn.Module):
     """DeepSeek-V4.1-Flash backbone plus DSpark stages, with every cache owned by `self.cache`.
 
@@ -160,14 +171,8 @@ class Transformer(nn.Module):
                              "or a one-token decode step (start_pos>0)")
         if start_pos + s > a.max_seq_len:
             raise InputError(f"sequence of {start_pos + s} tokens exceeds max_seq_len={a.max_seq_len}")
-        # the values: reading them back from a device waits for the work queued before, so a decode
-        # step's ids on the device (the previous step's argmax, in range by construction) are not
-        # read; host ids and every prefill are
-        if not torch.compiler.is_compiling() and (ids.device.type == "cpu" or start_pos == 0):
-            lo, hi = int(ids.min()), int(ids.max())
-            if lo < 0 or hi >= a.vocab_size:
-                raise InputError(f"input_ids: token id {lo if lo < 0 else hi} outside the vocabulary "
-                                 f"0..{a.vocab_size - 1}")
+        if not torch.compiler.is_compiling():
+            check_token_range(ids, start_pos, a.vocab_size)
 
     def call_state(self, batch: int, seqlen: int, start_pos: int) -> CallState:
         return CallState(start_pos, seqlen, batch, {"swa": self.rope_swa, "compressed": self.rope_compressed},
