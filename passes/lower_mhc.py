@@ -277,6 +277,14 @@ class _Rewrite:
 
     def _replace(self, old: fx.Node, new: fx.Node) -> None:
         a, b = old.meta["val"], new.meta["val"]
+        if a.dtype == torch.float32 and b.dtype == torch.bfloat16:
+            # Inductor may fold the model's round trip through bf16 (`x.to(bf16).float()` into
+            # the next norm) so that the site's output is the fp32 value before the rounding;
+            # torch 2.11's `pointless_convert` does. The kernel's output is the rounded value the
+            # model stores; the upcast restores the model's numerics.
+            with self.graph.inserting_after(new):
+                new = self._node(torch.ops.prims.convert_element_type.default, (new, torch.float32))
+            b = new.meta["val"]
         if a.dim() != b.dim() or a.shape[-1] != b.shape[-1] or a.dtype != b.dtype:
             raise PassError(f"lower_mhc: replacement of {old.name} is {tuple(b.shape)} {b.dtype}, "
                             f"expected {tuple(a.shape)} {a.dtype}")
