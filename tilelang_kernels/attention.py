@@ -53,7 +53,8 @@ import torch
 
 from dsv41c import quant as Q
 from dsv41c.attention import sparse_attn as sparse_attn_ref
-from dsv41c.tilelang_kernels.quant import _bits, _e2m1_value, _e4m3_value, _e8m0_value, _store, compile_for, kernel_target
+from dsv41c.tilelang_kernels.quant import (_bits, _e2m1_value, _e4m3_value, _e8m0_value, _store, compile_for,
+                                            define_op, kernel_target)
 
 __all__ = ["BLOCK", "KINDS", "build", "attention_prim_func", "sparse_attn", "sparse_attn_packed",
            "sparse_attn_packed_ref", "sparse_attn_ref"]
@@ -507,16 +508,13 @@ def _fake(q, *args):
 
 
 _OPS = {
-    "sparse_attn": torch.library.custom_op(
-        "dsv41c::sparse_attn", mutates_args=(),
-        schema="(Tensor q, Tensor kv, Tensor sink, Tensor idx, float scale) -> Tensor")(_sparse_attn),
-    "sparse_attn_packed": torch.library.custom_op(
-        "dsv41c::sparse_attn_packed", mutates_args=(),
-        schema=("(Tensor q, Tensor window, Tensor? window_scales, Tensor comp_codes, Tensor comp_scales, "
-                "Tensor sink, Tensor idx, float scale) -> Tensor"))(_sparse_attn_packed),
+    "sparse_attn": define_op("sparse_attn", "(Tensor q, Tensor kv, Tensor sink, Tensor idx, float scale) -> Tensor",
+                             _sparse_attn, _fake),
+    "sparse_attn_packed": define_op(
+        "sparse_attn_packed",
+        ("(Tensor q, Tensor window, Tensor? window_scales, Tensor comp_codes, Tensor comp_scales, "
+         "Tensor sink, Tensor idx, float scale) -> Tensor"), _sparse_attn_packed, _fake),
 }
-for _op in _OPS.values():
-    _op.register_fake(_fake)
 
 
 def sparse_attn(q, kv, sink, idx, scale: float) -> torch.Tensor:

@@ -48,7 +48,7 @@ import tilelang.cpu.language as TC
 import tilelang.language as T
 import torch
 import torch.nn.functional as F
-from dsv41c.tilelang_kernels.quant import _e2m1_value, _e8m0_value, _store, compile_for, kernel_target
+from dsv41c.tilelang_kernels.quant import _e2m1_value, _e8m0_value, _store, compile_for, define_op, kernel_target
 
 from dsv41c import quant
 from dsv41c.attention import Indexer, top_indices
@@ -424,8 +424,7 @@ for _name, _impl, _fake, _schema in (
          "(Tensor scores, Tensor visible_len, *, SymInt k, SymInt offset) -> Tensor"),
         ("candidate_blocks", _blocks_impl, _blocks_fake,
          "(Tensor block_max, Tensor visible_len, *, SymInt topk_blocks) -> Tensor")):
-    _OPS[_name] = torch.library.custom_op(f"dsv41c::{_name}", mutates_args=(), schema=_schema)(_impl)
-    _OPS[_name].register_fake(_fake)
+    _OPS[_name] = define_op(_name, _schema, _impl, _fake)
 
 
 def index_scores(q, codes, scales, w, visible_len=None, cand_blocks=None, *, n=None, block_max=False):

@@ -51,7 +51,7 @@ from types import SimpleNamespace
 import tilelang.cpu.language as TC
 import tilelang.language as T
 import torch
-from dsv41c.tilelang_kernels.quant import _bits, _store, compile_for, kernel_target
+from dsv41c.tilelang_kernels.quant import _bits, _store, compile_for, define_op, kernel_target
 
 from dsv41c import mhc
 
@@ -428,8 +428,7 @@ for _name, _impl, _fake, _schema in (
           f"Tensor base, *, {_KW}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")),
         ("mhc_post_collapse", _post_collapse, _post_collapse_fake,
          "(Tensor y, Tensor res, Tensor post, Tensor comb, Tensor pre_delayed) -> (Tensor, Tensor)")):
-    _OPS[_name] = torch.library.custom_op(f"dsv41c::{_name}", mutates_args=(), schema=_schema)(_impl)
-    _OPS[_name].register_fake(_fake)
+    _OPS[_name] = define_op(_name, _schema, _impl, _fake)
 
 
 def mhc_pre(h, fn, scale, base, pre_delayed, *, norm_eps, hc_eps, iters):
