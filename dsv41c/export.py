@@ -3,7 +3,8 @@ without recompiling.
 
 An artifact directory holds:
 
-    prefill.pt2, decode.pt2   AOTInductor packages (one per program, see "Programs" below)
+    prefill.pt2, decode.pt2   AOTInductor packages (one per program, see "Programs" below), code only
+    weights.safetensors       the constants of every package, each distinct tensor once
     tokenizer.json            the model's tokenizer
     manifest.json             config, passes and their matches, versions, bounds, sha256 of every file
 
@@ -15,12 +16,17 @@ loader owns one set of caches and passes it to every program. The export runs wi
 the model's own `@torch.no_grad()` would otherwise wrap the graph in a higher-order op that hides
 the cache writes from the exported signature.
 
-Weights are embedded. As in `dsv41c.compile`, Inductor freezes the parameters, and our passes build
-new constants from them (fuse_wqa_wkv concatenates sibling weights, lower_mhc takes the mHC
-coefficients into its kernels), so the constants a package runs on are not the checkpoint's
-tensors. Each package carries the constants it was compiled with; a separate model.safetensors
-would be a second copy that the packages never read. (The cost: prefill and decode each store the
-weights.)
+Weights are stored once, outside the packages. As in `dsv41c.compile`, Inductor freezes the
+parameters, and our passes build new constants from them (fuse_wqa_wkv concatenates sibling
+weights, lower_mhc takes the mHC coefficients into its kernels), so the constants a package runs on
+are not the checkpoint's tensors. AOTInductor compiles each package without its constants
+(`package_constants_in_so` off) and writes them beside its code (`pickle_weights`); the export then
+moves them into one `weights.safetensors`, each distinct tensor once (the prefill and decode
+packages share almost all of them), and records in the manifest which stored tensor, viewed with
+which shape, stride and offset, each package constant is. The loader reads the file once, onto the
+packages' device, and hands the same tensors to every package (`load_constants`, user-managed). A
+model of W bytes of weights is then a W-byte artifact and W bytes in memory, whatever the number of
+programs; embedded, each package would carry and load its own copy.
 
 Programs. The model branches in Python on shapes: a ratio-rho compressor on the prompt length mod
 rho in prefill, the window and top-k widths on min(W, t) and min(k, n). torch.export turns such a
@@ -37,6 +43,7 @@ the artifact's bounds; `load_artifact` refuses a call outside them (the packages
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 import os
@@ -49,6 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import safetensors.torch
 import torch
 from torch import nn
 
@@ -61,8 +69,13 @@ from dsv41c.model import Transformer, check_token_range
 from dsv41c.passes.manager import build_pipeline
 from dsv41c.tokenizer import Tokenizer
 
-FORMAT = 2                     # 2: "device" is an object (type, and for CUDA name and arch)
-MANIFEST_FILE, TOKENIZER_FILE = "manifest.json", "tokenizer.json"
+FORMAT = 3                     # 2: "device" is an object; 3: weights outside the packages
+MANIFEST_FILE, TOKENIZER_FILE, WEIGHTS_FILE = "manifest.json", "tokenizer.json", "weights.safetensors"
+# AOTInductor: no constants in the compiled library; each one pickled into the package's
+# data/weights/, with <model>/data/aotinductor/model/weights_config.json naming them
+WEIGHTS_OUTSIDE = {"aot_inductor.package_constants_in_so": False,
+                   "aot_inductor.package_constants_on_disk_format": "pickle_weights"}
+WEIGHTS_CONFIG, WEIGHTS_DIR = "weights_config.json", "/data/weights/"
 CACHE_PREFIX = "cache."
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 BATCH = 1                      # generation runs one sequence; the programs are exported for it
@@ -155,6 +168,7 @@ class ProgramSpec:
     hi: int = 0
     pass_matches: dict | None = None
     code_sha256: str = ""
+    constants: dict | None = None          # constant name -> [stored tensor, shape, stride, offset]
 
     def covers(self, t: int) -> bool:
         return t % self.period == self.residue and self.lo <= t <= self.hi
@@ -223,6 +237,60 @@ def _custom_ops(package: Path) -> list[str]:
     return sorted(op.decode() for op in found)
 
 
+class WeightStore:
+    """Tensors by content: `add` returns the name of an equal tensor already held, else holds this
+    one under `name` (made unique)."""
+
+    def __init__(self):
+        self.tensors: dict[str, torch.Tensor] = {}
+        self._by_digest: dict[str, str] = {}
+
+    def add(self, name: str, t: torch.Tensor) -> str:
+        digest = hashlib.sha256(str(t.dtype).encode() + t.view(torch.uint8).numpy().data).hexdigest()
+        if digest not in self._by_digest:
+            key, n = name, 0
+            while key in self.tensors:
+                n += 1
+                key = f"{name}.{n}"
+            self.tensors[key] = t
+            self._by_digest[digest] = key
+        return self._by_digest[digest]
+
+
+def take_weights(package: Path, store: WeightStore) -> dict[str, list]:
+    """Move the constants AOTInductor wrote into `package` (data/weights/: one pickled tensor per
+    storage; weights_config.json: constant name -> [file, shape, stride, offset] into it) into
+    `store`, each storage as a flat tensor, and rewrite the package without them. Returns the
+    package's constants as name -> [stored tensor, shape, stride, offset]."""
+    with zipfile.ZipFile(package) as z:
+        infos = z.infolist()
+        configs = [i for i in infos if i.filename.endswith("/" + WEIGHTS_CONFIG)]
+        if len(configs) != 1:
+            raise ArtifactError(f"{package}: expected one {WEIGHTS_CONFIG} from AOTInductor, found {len(configs)}")
+        config = json.loads(z.read(configs[0]))
+        files = {i.filename.rsplit("/", 1)[1]: i for i in infos if WEIGHTS_DIR in i.filename}
+        users = {}
+        for name, (file, *_) in config.items():
+            users.setdefault(file, name)
+        stored = {}
+        for file, info in files.items():
+            t = torch.load(io.BytesIO(z.read(info)), map_location="cpu", weights_only=True)
+            storage = t.untyped_storage()
+            flat = torch.empty(0, dtype=t.dtype).set_(storage, 0, (storage.nbytes() // t.element_size(),))
+            stored[file] = store.add(users.get(file, file), flat)
+        missing = sorted(f for f, *_ in config.values() if f not in stored)
+        if missing:
+            raise ArtifactError(f"{package}: {WEIGHTS_CONFIG} names {missing[0]}, which the package lacks")
+        fd, rewritten = tempfile.mkstemp(dir=package.parent, suffix=".pt2")
+        os.close(fd)
+        with zipfile.ZipFile(rewritten, "w") as out:
+            for info in infos:
+                if info is not configs[0] and WEIGHTS_DIR not in info.filename:
+                    out.writestr(info, z.read(info))
+    os.replace(rewritten, package)
+    return {name: [stored[file], shape, stride, offset] for name, (file, shape, stride, offset) in config.items()}
+
+
 def check_out_dir(path: Path, option: str = "--out") -> None:
     """An output directory (named by its CLI option in errors) must be new or empty, under an
     existing, writable parent: checked before long work, so a bad path fails at once."""
@@ -262,6 +330,7 @@ def export(model: Transformer, out: str | os.PathLike, passes: Sequence[str] | N
     build_pipeline(names, strict).bind(model)
     caches = [b.detach().clone() for n, b in model.named_buffers() if n.startswith(CACHE_PREFIX)]
     tmp = Path(tempfile.mkdtemp(dir=out.absolute().parent, prefix=f".{out.name}."))
+    weights = WeightStore()
     try:
         custom_ops: set[str] = set()
         uuid = build_pipeline(names, strict).uuid()
@@ -276,14 +345,18 @@ def export(model: Transformer, out: str | os.PathLike, passes: Sequence[str] | N
             # Passed by config.patch, not inductor_configs: AOTInductor deep-copies the latter, and
             # the copy's statistics would be lost. No FX graph cache: a hit would skip the passes.
             hook = options.pop("post_grad_custom_post_pass")
-            options["fx_graph_cache"] = False
+            options.update(fx_graph_cache=False, **WEIGHTS_OUTSIDE)
             with torch.no_grad(), torch._inductor.config.patch(post_grad_custom_post_pass=hook):
                 torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp / spec.file),
                                                          inductor_configs=options)
             spec.pass_matches = {s.name: s.matches for s in pipeline.stats.values()}
             spec.code_sha256 = code_digest(tmp / spec.file)
             custom_ops |= set(_custom_ops(tmp / spec.file))
-        stage("writing the tokenizer and the manifest")
+            stage(f"moving the weights of {spec.file} into {WEIGHTS_FILE}")
+            spec.constants = take_weights(tmp / spec.file, weights)
+        stage(f"writing {WEIGHTS_FILE}, the tokenizer and the manifest")
+        safetensors.torch.save_file(weights.tensors, str(tmp / WEIGHTS_FILE))
+        del weights
         model.tokenizer.backend.save(str(tmp / TOKENIZER_FILE))
         manifest = _manifest(model, specs, names, strict, uuid, sorted(custom_ops), source, target, tmp)
         (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
@@ -316,8 +389,10 @@ def _manifest(model: Transformer, specs: list[ProgramSpec], passes: list[str], s
         "bounds": {"prompt_len": [max(s.lo for s in prefill), min(s.hi for s in prefill)],
                    "decode_pos": [max(s.lo for s in decode), min(s.hi for s in decode)]},
         "programs": [{"file": s.file, "phase": s.phase, "period": s.period, "residue": s.residue,
-                      "min": s.lo, "max": s.hi, "pass_matches": s.pass_matches, "code_sha256": s.code_sha256}
+                      "min": s.lo, "max": s.hi, "pass_matches": s.pass_matches, "code_sha256": s.code_sha256,
+                      "constants": s.constants}
                      for s in specs],
+        "weights": {"file": WEIGHTS_FILE},
         "custom_ops": custom_ops,
         "cache": [[n, list(b.shape), str(b.dtype).removeprefix("torch.")]
                   for n, b in model.named_buffers() if n.startswith(CACHE_PREFIX)],
@@ -404,8 +479,9 @@ class Artifact:
     """
 
     def __init__(self, root: Path, manifest: dict[str, Any], programs: list[tuple[ProgramSpec, Any]],
-                 tokenizer: Tokenizer):
+                 tokenizer: Tokenizer, weights: dict[str, torch.Tensor]):
         self.root, self.manifest, self.tokenizer = root, manifest, tokenizer
+        self.weights = weights      # the packages hold pointers into these tensors (user-managed constants)
         self.args = ModelArgs.from_dict(manifest["config"], source=f"{root / MANIFEST_FILE}: config")
         self.programs = programs
         self.periods = {spec.phase: spec.period for spec, _ in programs}     # decode: 1 (older: per residue)
@@ -496,14 +572,55 @@ def load_artifact(path: str | os.PathLike) -> Artifact:
     tok = manifest["tokenizer"]
     tokenizer = Tokenizer.from_file(root / tok["file"], bos_id=tok.get("bos_id"), pad_id=tok.get("pad_id"),
                                     noise_id=tok.get("noise_id"))
+    weights = _load_weights(root, manifest)
     programs = []
     for p in manifest["programs"]:
-        spec = ProgramSpec(p["phase"], p["period"], p["residue"], p["file"], p["min"], p["max"], p.get("pass_matches"))
+        spec = ProgramSpec(p["phase"], p["period"], p["residue"], p["file"], p["min"], p["max"], p.get("pass_matches"),
+                           constants=p.get("constants"))
         try:
             runner = torch._inductor.aoti_load_package(str(root / spec.file))
         except Exception as e:       # a hashed file that still fails to load: a foreign torch build
             raise ArtifactError(f"{root / spec.file}: AOTInductor could not load the package ({e})") from None
+        _bind_constants(root, spec, runner, weights)
         programs.append((spec, runner))
     if not programs:
         raise _bad(root, "programs: empty")
-    return Artifact(root, manifest, programs, tokenizer)
+    return Artifact(root, manifest, programs, tokenizer, weights)
+
+
+def _load_weights(root: Path, manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The stored tensors, once, on the packages' device."""
+    name = (manifest.get("weights") or {}).get("file")
+    if name not in manifest["files"]:
+        raise _bad(root, f"weights.file: {name!r} is not among the hashed files")
+    device = manifest["device"]["type"]
+    try:
+        return safetensors.torch.load_file(str(root / name), device=device)
+    except Exception as e:
+        raise ArtifactError(f"{root / name}: could not be read as safetensors ({e})") from None
+
+
+def _bind_constants(root: Path, spec: ProgramSpec, runner, weights: dict[str, torch.Tensor]) -> None:
+    """Give a package its constants: views of the shared stored tensors, as the manifest lists them."""
+    if not isinstance(spec.constants, dict):
+        raise _bad(root, f"programs: {spec.file} lists no constants")
+    views = {}
+    for const, entry in spec.constants.items():
+        if not (isinstance(entry, list) and len(entry) == 4 and entry[0] in weights):
+            raise _bad(root, f"programs: {spec.file} constant {const!r} -> {entry!r}: not a stored tensor "
+                             f"[name, shape, stride, offset]")
+        key, shape, stride, offset = entry
+        base = weights[key]
+        empty = any(n == 0 for n in shape)
+        if not empty and offset + sum((n - 1) * st for n, st in zip(shape, stride, strict=True)) >= base.numel():
+            raise _bad(root, f"programs: {spec.file} constant {const!r} reaches past {key!r} ({base.numel()} elements)")
+        views[const] = base.as_strided(shape, stride, offset)
+    expected = set(runner.get_constant_fqns())
+    if set(views) != expected:
+        extra = sorted(expected ^ set(views))
+        raise _bad(root, f"programs: {spec.file} constants differ from the package's ({extra[0]!r} and "
+                         f"{len(extra) - 1} more)")
+    try:
+        runner.load_constants(views, check_full_update=True, user_managed=True)
+    except Exception as e:
+        raise ArtifactError(f"{root / spec.file}: its constants could not be loaded ({e})") from None

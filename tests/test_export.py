@@ -7,12 +7,15 @@ but the kernels' op registration.
 """
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 from conftest import THREE_KINDS
 import torch
 from typer.testing import CliRunner
@@ -58,7 +61,7 @@ def exported(tmp_path_factory):
     stages = []
     out = dsv41c.export(model, tmp_path_factory.mktemp("export") / "artifact", DEFAULT_PASSES, strict=True,
                         max_prompt_len=MAX_PROMPT, source={"seed": 0}, on_stage=stages.append)
-    assert len(stages) == 5 and stages[-1].startswith("writing"), stages
+    assert len(stages) == 7 and stages[-1].startswith("writing"), stages
     return model, out
 
 
@@ -96,7 +99,7 @@ def test_manifest_records_the_pipeline_its_matches_versions_bounds_and_hashes(ex
     assert 1 <= lo <= 8 and hi == MAX_PROMPT                  # dynamic: a range, not one length
     lo, hi = m["bounds"]["decode_pos"]
     assert lo <= m["bounds"]["prompt_len"][0] and hi == model.args.max_seq_len - 1
-    assert set(m["files"]) == {"prefill.pt2", "decode.pt2", "tokenizer.json"}
+    assert set(m["files"]) == {"prefill.pt2", "decode.pt2", "tokenizer.json", "weights.safetensors"}
     assert all(sha256(artifact / name) == digest for name, digest in m["files"].items())
     assert m["tokenizer"]["bos_id"] == model.tokenizer.bos_id
     assert verify(artifact) == m
@@ -169,13 +172,48 @@ def test_the_cli_runs_an_artifact(exported):
     assert "3 tokens generated" in result.output
 
 
+def test_the_weights_are_stored_once_and_shared_by_the_packages(exported):
+    """The packages hold code only; weights.safetensors holds each distinct constant once, and the
+    prefill and decode packages run on the same loaded tensors."""
+    model, artifact = exported
+    m = manifest_of(artifact)
+    for p in m["programs"]:
+        names = zipfile.ZipFile(artifact / p["file"]).namelist()
+        assert not [n for n in names if "/data/weights/" in n or n.endswith("weights_config.json")], p["file"]
+    stored = safetensors.torch.load_file(artifact / "weights.safetensors")
+    contents = {(t.dtype, t.numel(), t.view(torch.uint8).numpy().tobytes()) for t in stored.values()}
+    assert len(contents) == len(stored)                                  # no tensor stored twice
+    used = [{e[0] for e in p["constants"].values()} for p in m["programs"]]
+    assert set(stored) == set.union(*used)
+    # prefill and decode run on the same tensors but where a pass fused differently (the cut's
+    # fp32 expert loop: w1 and w3 fused in prefill only)
+    assert len(used[0] & used[1]) >= 0.8 * min(map(len, used))
+    nbytes = {k: t.numel() * t.element_size() for k, t in stored.items()}
+    assert sum(nbytes.values()) < 0.7 * sum(nbytes[k] for keys in used for k in keys)
+    key, shape, stride, offset = m["programs"][0]["constants"]["model.embed.weight"]
+    assert torch.equal(stored[key].as_strided(shape, stride, offset), model.embed.weight.detach())
+    loaded = load_artifact(artifact)
+    assert set(loaded.weights) == set(stored)
+
+
 # ------------------------------------------------------------------------------ refusals
-def test_a_tampered_package_is_refused_naming_it(exported, tmp_path):
+@pytest.mark.parametrize("name", ["decode.pt2", "weights.safetensors"])
+def test_a_tampered_file_is_refused_naming_it(exported, tmp_path, name):
     art = copy_of(exported[1], tmp_path)
-    data = bytearray((art / "decode.pt2").read_bytes())
+    data = bytearray((art / name).read_bytes())
     data[len(data) // 2] ^= 0x01
-    (art / "decode.pt2").write_bytes(bytes(data))
-    with pytest.raises(ArtifactError, match=r"decode\.pt2: sha256 mismatch"):
+    (art / name).write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match=rf"{re.escape(name)}: sha256 mismatch"):
+        load_artifact(art)
+
+
+def test_a_manifest_constant_that_names_no_stored_tensor_is_refused(exported, tmp_path):
+    art = copy_of(exported[1], tmp_path)
+    m = manifest_of(art)
+    const = next(iter(m["programs"][1]["constants"]))
+    m["programs"][1]["constants"][const][0] = "no.such.tensor"
+    (art / MANIFEST_FILE).write_text(json.dumps(m))
+    with pytest.raises(ArtifactError, match=rf"decode\.pt2 constant '{re.escape(const)}' .* not a stored tensor"):
         load_artifact(art)
 
 
