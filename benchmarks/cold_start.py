@@ -7,8 +7,10 @@ compile is measured twice: with an empty Inductor cache (a new machine) and with
 run left (a restart on the same machine).
 
     python benchmarks/cold_start.py --config configs/tiny.json --artifact DIR [--prompt-len 24]
+    python benchmarks/cold_start.py --config configs/bench.json --device cuda --dtype bfloat16
 
-Without --artifact, the config is exported first into a temp directory (minutes on a CPU core).
+Without --artifact, the config is exported first into a temp directory (minutes on a CPU core),
+for --device with --dtype (the artifact given must match them). On CPU each process runs one thread.
 """
 from __future__ import annotations
 
@@ -24,28 +26,30 @@ CHILD = r"""
 import time, sys, json
 t0 = time.perf_counter()
 import torch
-torch.set_num_threads(1)
 import dsv41c
-mode, config, artifact, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+mode, config, artifact, n, device, dtype = sys.argv[1:4] + [int(sys.argv[4])] + sys.argv[5:7]
+if device == "cpu":
+    torch.set_num_threads(1)
 ids = torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(0))
 t_import = time.perf_counter()
 if mode == "artifact":
     model = dsv41c.load_artifact(artifact)
 else:
-    model = dsv41c.build_model(dsv41c.ModelArgs.from_json(config), seed=0)
+    model = dsv41c.build_model(dsv41c.ModelArgs.from_json(config), seed=0, dtype=getattr(torch, dtype),
+                               device=device)
     if mode == "compile":
         model = dsv41c.compile(model)
 t_ready = time.perf_counter()
-token = int(model(ids, 0).argmax(-1))
+token = int(model(ids, 0).argmax(-1))        # reads the token back: the device has finished
 t_first = time.perf_counter()
 print(json.dumps({"import": t_import - t0, "ready": t_ready - t_import, "first": t_first - t_ready,
                   "total": t_first - t0, "token": token}))
 """
 
 
-def child(mode: str, config: str, artifact: str, n: int, env: dict) -> dict:
-    proc = subprocess.run([sys.executable, "-c", CHILD, mode, config, artifact, str(n)], capture_output=True,
-                          text=True, env=env)
+def child(mode: str, opts: argparse.Namespace, artifact: str, env: dict) -> dict:
+    proc = subprocess.run([sys.executable, "-c", CHILD, mode, opts.config, artifact, str(opts.prompt_len),
+                           opts.device, opts.dtype], capture_output=True, text=True, env=env)
     if proc.returncode:
         sys.exit(f"{mode} run failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -56,6 +60,8 @@ def main() -> None:
     parser.add_argument("--config", default="configs/tiny.json")
     parser.add_argument("--artifact", default=None, help="an export of --config with seed 0 (else one is made)")
     parser.add_argument("--prompt-len", type=int, default=24)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     opts = parser.parse_args()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory() as tmp:
@@ -63,16 +69,18 @@ def main() -> None:
         if artifact is None:
             artifact = str(Path(tmp) / "artifact")
             subprocess.run([sys.executable, "-m", "dsv41c.cli.main", "export", "--config", opts.config,
-                            "--out", artifact], check=True, env=env)
-        rows = {"artifact (load)": child("artifact", opts.config, artifact, opts.prompt_len, env)}
+                            "--out", artifact, "--device", opts.device, "--dtype", opts.dtype], check=True, env=env)
+        rows = {"artifact (load)": child("artifact", opts, artifact, env)}
         cache_env = {**env, "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "inductor-cache")}
-        rows["dsv41c.compile, empty cache"] = child("compile", opts.config, artifact, opts.prompt_len, cache_env)
-        rows["dsv41c.compile, warm cache"] = child("compile", opts.config, artifact, opts.prompt_len, cache_env)
-        rows["eager"] = child("eager", opts.config, artifact, opts.prompt_len, env)
+        rows["dsv41c.compile, empty cache"] = child("compile", opts, artifact, cache_env)
+        rows["dsv41c.compile, warm cache"] = child("compile", opts, artifact, cache_env)
+        rows["eager"] = child("eager", opts, artifact, env)
     tokens = {r["token"] for r in rows.values()}
     base = rows["artifact (load)"]["total"]
-    print(f"cold start to the first token, {opts.config}, prompt of {opts.prompt_len} tokens, 1 thread, "
-          f"fresh process each; first tokens {'agree' if len(tokens) == 1 else 'DIFFER: ' + str(tokens)}")
+    threads = ", 1 thread" if opts.device == "cpu" else ""
+    agree = "agree" if len(tokens) == 1 else f"DIFFER: {tokens}"
+    print(f"cold start to the first token, {opts.config} on {opts.device} ({opts.dtype}), prompt of "
+          f"{opts.prompt_len} tokens{threads}, fresh process each; first tokens {agree}")
     print(f"| {'path':<28} | import s | load/build+compile s | prefill s | total s | x artifact |")
     print(f"|{'-' * 30}|---------:|---------------------:|----------:|--------:|-----------:|")
     for name, r in rows.items():
