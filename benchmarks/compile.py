@@ -144,14 +144,17 @@ def measure(name: str, model: Transformer, a: argparse.Namespace, gen: torch.Gen
         prompt = torch.randint(0, vocab, (batch, a.decode_prompt), generator=gen).to(a.device)
         steps = torch.randint(0, vocab, (batch, a.decode_steps, 1), generator=gen).to(a.device)
 
-        def decode(steps=steps):
+        def decode(steps=steps, start=a.decode_prompt):
             for i in range(a.decode_steps):
-                run(steps[:, i], a.decode_prompt + i)
+                run(steps[:, i], start + i)
 
         def seed(prompt=prompt):               # eager prefill: only the decode steps are timed
             model.reset_cache()
             model(prompt, 0)
         workloads.append((f"decode_b{batch}_tok_s", seed, decode, batch * a.decode_steps))
+        if a.long_context:
+            workloads.append((f"decode_b{batch}_ctx{a.long_context}_tok_s", lambda: fill_cache(model, a.seed),
+                              functools.partial(decode, start=a.long_context), batch * a.decode_steps))
 
     ready = []
     for key, seed, fn, _ in workloads:          # phase 1: compile
@@ -183,6 +186,23 @@ def measure(name: str, model: Transformer, a: argparse.Namespace, gen: torch.Gen
             except Exception as err:                        # noqa: BLE001
                 failed(key, err)
     torch._dynamo.reset()
+
+
+def fill_cache(model: Transformer, seed: int) -> None:
+    """Synthetic cache contents in place of a long prompt's prefill (a prefill of 64K tokens does not
+    fit: its indexer scores alone are 64K x 64K per head): every buffer random, of its kind (values,
+    token ids, packed codes and scales below 0x7F, which no format reads as NaN). A decode step from
+    any position then reads full-length caches; its time is what this is for, not its output."""
+    g = torch.Generator(device=model.device).manual_seed(seed)
+    for name, buf in model.cache.named_buffers():
+        if buf.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            buf.normal_(generator=g)
+        elif buf.dtype == torch.int64:
+            buf.random_(0, model.args.vocab_size, generator=g)
+        elif buf.element_size() == 1:
+            buf.view(torch.uint8).random_(0, 0x7F, generator=g)
+        else:
+            raise TypeError(f"fill_cache: no synthetic values for cache buffer {name} ({buf.dtype})")
 
 
 @contextlib.contextmanager
@@ -291,6 +311,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--decode-prompt", type=int, default=None,
                    help="tokens in the cache before the timed decode steps; default: 3 x window + 1")
     p.add_argument("--decode-steps", type=int, default=None, help="default: 32 on cuda, 4 on cpu")
+    p.add_argument("--long-context", type=int, default=0, metavar="N",
+                   help="also time the decode steps from position N, on caches filled with synthetic values "
+                        "(no prefill; max_seq_len is raised to fit); the compiled decode graph is the same")
     p.add_argument("--repeats", type=int, default=None, help="timed repeats (median); default 5 cuda, 2 cpu")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--seed", type=int, default=0)
@@ -327,7 +350,7 @@ def run_variants(a: argparse.Namespace) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = False
     args = dsv41c.ModelArgs.from_json(a.config)
     a.decode_prompt = a.decode_prompt or 3 * args.window_size + 1
-    need = max(a.prefill_len, a.decode_prompt + a.decode_steps)
+    need = max(a.prefill_len, max(a.decode_prompt, a.long_context) + a.decode_steps)
     args = args.replace(max_batch_size=max([args.max_batch_size, *a.batches]),
                         max_seq_len=max(args.max_seq_len, need))
     model = dsv41c.build_model(args, seed=a.seed, dtype=DTYPES[a.dtype], kv_quant=a.kv_quant, device=a.device)
@@ -343,10 +366,13 @@ def run_variants(a: argparse.Namespace) -> dict:
         ceilings["prefill_tok_s"] = flops / (2 * active)
     for b in a.batches:
         ceilings[f"decode_b{b}_tok_s"] = b * copy_bps / weight_bytes(model, b)[0]
+        if a.long_context:      # the same weight-only bound: the KV bytes a step reads are not counted
+            ceilings[f"decode_b{b}_ctx{a.long_context}_tok_s"] = ceilings[f"decode_b{b}_tok_s"]
     record = {"config": str(a.config), "device": device_name, "dtype": a.dtype, "kv_quant": a.kv_quant,
               "torch": torch.__version__, "date": datetime.date.today().isoformat(),
               "copy_bytes_per_s": copy_bps, "matmul_flop_per_s": flops, "ceilings_tok_s": ceilings,
               "prefill_len": a.prefill_len, "decode_prompt": a.decode_prompt, "decode_steps": a.decode_steps,
+              "long_context": a.long_context,
               "batches": a.batches, "rows": []}
 
     def save() -> None:  # after every workload, so a run cut short keeps what it measured
@@ -369,6 +395,14 @@ def write_json(path: Path, record: dict) -> None:
     tmp.replace(path)
 
 
+def workload_label(key: str, record: dict) -> str:
+    """'prefill 4096', 'decode batch 32 at 385' (the position of the first timed step)."""
+    if key == "prefill_tok_s":
+        return f"prefill {record['prefill_len']}"
+    batch, _, context = key.removeprefix("decode_b").removesuffix("_tok_s").partition("_ctx")
+    return f"decode batch {batch} at {context or record['decode_prompt']}"
+
+
 def print_table(record: dict, variants: list[str]) -> None:
     rows = record["rows"]
     ceilings = record["ceilings_tok_s"]
@@ -381,7 +415,7 @@ def print_table(record: dict, variants: list[str]) -> None:
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for key in ceilings:
-        label = f"prefill {record['prefill_len']}" if key == "prefill_tok_s" else f"decode batch {key[8:-6]}"
+        label = workload_label(key, record)
 
         def rate(v, key=key):
             return base[v].get(key)
@@ -397,7 +431,9 @@ def print_table(record: dict, variants: list[str]) -> None:
     print("first pass (compiles, s): " + ", ".join(f"{r['variant']} {r.get('first_pass_s', float('nan')):.0f}"
                                                    for r in rows))
     print("ceilings: prefill = matmul rate / (2 x active parameters); decode = copy bandwidth x batch / "
-          "weight bytes a step reads (dense weights + min(E, batch x k) experts per MoE)")
+          "weight bytes a step reads (dense weights + min(E, batch x k) experts per MoE; KV reads not counted)")
+    if record.get("long_context"):
+        print(f"(decode at {record['long_context']}: caches filled with synthetic values, no prefill)")
     if record.get("parallel"):
         print("(--parallel: one process per compiled variant; compiles overlapped, timed passes one variant "
               "at a time after all compiles; eager and the ceilings measured after the children exited)")
