@@ -153,7 +153,9 @@ def measure(name: str, model: Transformer, a: argparse.Namespace, gen: torch.Gen
             model(prompt, 0)
         workloads.append((f"decode_b{batch}_tok_s", seed, decode, batch * a.decode_steps))
         if a.long_context:
-            workloads.append((f"decode_b{batch}_ctx{a.long_context}_tok_s", lambda: fill_cache(model, a.seed),
+            # a 64K prefill does not fit (its indexer scores alone are 64K x 64K per head)
+            workloads.append((f"decode_b{batch}_ctx{a.long_context}_tok_s",
+                              lambda: model.cache.fill_synthetic(a.seed, vocab),
                               functools.partial(decode, start=a.long_context), batch * a.decode_steps))
 
     ready = []
@@ -186,23 +188,6 @@ def measure(name: str, model: Transformer, a: argparse.Namespace, gen: torch.Gen
             except Exception as err:                        # noqa: BLE001
                 failed(key, err)
     torch._dynamo.reset()
-
-
-def fill_cache(model: Transformer, seed: int) -> None:
-    """Synthetic cache contents in place of a long prompt's prefill (a prefill of 64K tokens does not
-    fit: its indexer scores alone are 64K x 64K per head): every buffer random, of its kind (values,
-    token ids, packed codes and scales below 0x7F, which no format reads as NaN). A decode step from
-    any position then reads full-length caches; its time is what this is for, not its output."""
-    g = torch.Generator(device=model.device).manual_seed(seed)
-    for name, buf in model.cache.named_buffers():
-        if buf.dtype in (torch.float32, torch.bfloat16, torch.float16):
-            buf.normal_(generator=g)
-        elif buf.dtype == torch.int64:
-            buf.random_(0, model.args.vocab_size, generator=g)
-        elif buf.element_size() == 1:
-            buf.view(torch.uint8).random_(0, 0x7F, generator=g)
-        else:
-            raise TypeError(f"fill_cache: no synthetic values for cache buffer {name} ({buf.dtype})")
 
 
 @contextlib.contextmanager

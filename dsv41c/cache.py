@@ -122,6 +122,22 @@ class ModelCache(nn.Module):
             layer.reset()
         self.ngram.zero_()
 
+    def fill_synthetic(self, seed: int, vocab_size: int) -> None:
+        """Random contents of each buffer's kind, as if a long context had been seen: values
+        (normal), token ids (< vocab_size), packed codes and scales (bytes below 0x7F, which no
+        format reads as NaN). For timing decode steps at positions whose prefill would not fit
+        (benchmarks/compile.py --long-context); what those steps compute means nothing."""
+        g = torch.Generator(device=self.ngram.device).manual_seed(seed)
+        for name, buf in self.named_buffers():
+            if buf.dtype in (torch.float32, torch.bfloat16, torch.float16):
+                buf.normal_(generator=g)
+            elif buf.dtype == torch.long:
+                buf.random_(0, vocab_size, generator=g)
+            elif buf.element_size() == 1:
+                buf.view(torch.uint8).random_(0, 0x7F, generator=g)
+            else:
+                raise TypeError(f"fill_synthetic: no synthetic values for cache buffer {name} ({buf.dtype})")
+
     def nbytes(self) -> dict[str, int]:
         """Bytes actually allocated, by part: global (compressed KV + index keys), window,
         partial compressor groups, n-gram history."""

@@ -61,3 +61,28 @@ def test_decode_is_one_graph_while_the_top_k_lists_are_longer_than_the_cache():
         token = ref.argmax(-1, keepdim=True)
     assert counter.frame_count == 1
     torch._dynamo.reset()
+
+
+def test_decode_far_beyond_the_compiled_positions_reuses_the_graph():
+    """benchmarks/compile.py --long-context times decode steps at a position reached by
+    ModelCache.fill_synthetic instead of a prefill: the decode graph traced near the start serves
+    them, and computes what eager does on the same caches."""
+    args = dsv41c.ModelArgs.from_json(TINY)
+    eager, traced = (dsv41c.build_model(args, seed=0) for _ in range(2))
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    fn = torch.compile(traced.forward, backend=counter, fullgraph=True, dynamic=True)
+    ids = torch.randint(0, 259, (1, 40))
+    eager(ids, 0), traced(ids, 0)
+    token = torch.tensor([[7]])
+    for p in range(40, 60):
+        fn(token, p)
+    graphs = counter.frame_count
+    far = args.max_seq_len - 8
+    for model in (eager, traced):
+        model.cache.fill_synthetic(seed=3, vocab_size=args.vocab_size)
+    for p in range(far, far + 4):
+        ref, out = eager(token, p), fn(token, p)
+        assert torch.equal(out, ref) and out.isfinite().all(), p
+    assert counter.frame_count == graphs
+    torch._dynamo.reset()
