@@ -418,7 +418,8 @@ def read_manifest(root: Path) -> dict[str, Any]:
         raise ArtifactError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-        raise _bad(root, f"format: expected {FORMAT}, found {found!r}")
+        hint = "; re-export it with this dsv41c" if isinstance(found, int) and found < FORMAT else ""
+        raise _bad(root, f"format: expected {FORMAT}, found {found!r}{hint}")
     for key in ("config", "model", "versions", "programs", "cache", "tokenizer", "files", "bounds"):
         if key not in manifest:
             raise _bad(root, f"key {key!r} missing")

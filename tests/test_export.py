@@ -233,6 +233,10 @@ def test_an_unlisted_file_and_a_broken_manifest_are_refused(exported, tmp_path):
     with pytest.raises(ArtifactError, match=r"extra\.so: not listed in manifest\.json"):
         load_artifact(art)
     (art / "extra.so").unlink()
+    m = manifest_of(art)
+    (art / MANIFEST_FILE).write_text(json.dumps({**m, "format": m["format"] - 1}))   # an older artifact
+    with pytest.raises(ArtifactError, match=r"format: expected \d+, found \d+; re-export it"):
+        load_artifact(art)
     (art / MANIFEST_FILE).write_text("{")
     with pytest.raises(ArtifactError, match="manifest.json: not valid JSON"):
         load_artifact(art)
