@@ -187,7 +187,34 @@ def measure(name: str, model: Transformer, a: argparse.Namespace, gen: torch.Gen
                 save()
             except Exception as err:                        # noqa: BLE001
                 failed(key, err)
+        if a.profile:                           # after the timings: the profiler's overhead is not in them
+            for key, seed, fn, _ in workloads:
+                if key.startswith("decode") and out.get(key):
+                    seed()
+                    out[f"{key}_profile"] = profile_steps(fn, a.device, a.decode_steps)
+                    print(f"  {name}: {key} profile {out[f'{key}_profile']}", flush=True)
+                    save()
     torch._dynamo.reset()
+
+
+def profile_steps(fn, device: str, steps: int, top: int = 6) -> dict:
+    """One run of `fn` (`steps` decode steps) under torch.profiler, per step: device kernels, their
+    summed device time, the host time (inflated by the profiler) and the ops with the most host time."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        host = time.perf_counter() - t0
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type != torch.autograd.DeviceType.CPU]
+    cpu = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CPU),
+                 key=lambda e: -e.self_cpu_time_total)
+    return {"kernels_per_step": sum(e.count for e in kernels) / steps,
+            "device_us_per_step": sum(e.self_device_time_total for e in kernels) / steps,
+            "host_us_per_step_profiled": host * 1e6 / steps,
+            "top_host_ops_us_per_step": [[e.key, round(e.self_cpu_time_total / steps, 1)] for e in cpu[:top]]}
 
 
 @contextlib.contextmanager
@@ -296,6 +323,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--decode-prompt", type=int, default=None,
                    help="tokens in the cache before the timed decode steps; default: 3 x window + 1")
     p.add_argument("--decode-steps", type=int, default=None, help="default: 32 on cuda, 4 on cpu")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timings, one profiled run of each decode workload: kernels and device "
+                        "time per step, the host ops that take the most time")
     p.add_argument("--long-context", type=int, default=0, metavar="N",
                    help="also time the decode steps from position N, on caches filled with synthetic values "
                         "(no prefill; max_seq_len is raised to fit); the compiled decode graph is the same")
