@@ -612,10 +612,13 @@ def _bind_constants(root: Path, spec: ProgramSpec, runner, weights: dict[str, to
                              f"[name, shape, stride, offset]")
         key, shape, stride, offset = entry
         base = weights[key]
-        empty = any(n == 0 for n in shape)
-        if not empty and offset + sum((n - 1) * st for n, st in zip(shape, stride, strict=True)) >= base.numel():
-            raise _bad(root, f"programs: {spec.file} constant {const!r} reaches past {key!r} ({base.numel()} elements)")
-        views[const] = base.as_strided(shape, stride, offset)
+        try:
+            empty = any(n == 0 for n in shape)
+            if not empty and offset + sum((n - 1) * st for n, st in zip(shape, stride, strict=True)) >= base.numel():
+                raise ValueError(f"reaches past {key!r} ({base.numel()} elements)")
+            views[const] = base.as_strided(shape, stride, offset)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise _bad(root, f"programs: {spec.file} constant {const!r} -> {entry!r}: {e}") from None
     expected = set(runner.get_constant_fqns())
     if set(views) != expected:
         extra = sorted(expected ^ set(views))
