@@ -27,7 +27,8 @@ import time, sys, json
 t0 = time.perf_counter()
 import torch
 import dsv41c
-mode, config, artifact, n, device, dtype = sys.argv[1:4] + [int(sys.argv[4])] + sys.argv[5:7]
+mode, config, artifact, n, device, dtype = sys.argv[1:7]
+n = int(n)
 if device == "cpu":
     torch.set_num_threads(1)
 ids = torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(0))
