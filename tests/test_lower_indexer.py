@@ -304,3 +304,22 @@ def test_whole_model_with_lower_sparse_attn():
     stats = compiled.pipeline.stats
     assert stats["lower_indexer"].matches == 2 * compiled.graphs
     assert stats["lower_sparse_attn"].matches == args.n_layers * compiled.graphs
+
+
+@pytest.mark.slow
+def test_whole_model_before_the_context_fills_the_topk():
+    """Prompts shorter than K_I: every compressed count n_c is below k, so the lowered top-k lists
+    are padded with -1 (the eager model's -inf padding); tokens and logits equal eager."""
+    args = cut_args()
+    torch._dynamo.reset()
+    model = dsv41c.build_model(args, seed=0, dtype=torch.bfloat16, kv_quant=True)
+    eager = dsv41c.build_model(args, seed=0, dtype=torch.bfloat16, kv_quant=True)
+    inputs = golden.make_inputs(args, 2, 5, seed=4)
+    assert inputs.shape[1] + 2 < args.index_topk
+    trace, tokens = golden.run_greedy(compile_lowered(model), inputs, 2)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(attention, "top_indices", stable_top_indices)
+        eager_trace, eager_tokens = golden.run_greedy(eager, inputs, 2)
+    assert torch.equal(tokens, eager_tokens)
+    assert golden.relative_error(trace.prefill_logits, eager_trace.prefill_logits) <= 1e-3
+    assert golden.relative_error(trace.decode_logits, eager_trace.decode_logits) <= 1e-3

@@ -202,8 +202,21 @@ def test_bad_inputs_raise():
         K.index_scores(q, codes, scales, w, n=12)
     with pytest.raises(ValueError, match="visible_len"):
         K.index_scores(q, codes, scales, w, torch.zeros(3, dtype=torch.int32), n=8)
-    with pytest.raises(ValueError, match="k=9"):
-        K.index_topk(torch.zeros(1, 2, 8, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.int32), k=9, offset=0)
+    with pytest.raises(ValueError, match="k=-1"):
+        K.index_topk(torch.zeros(1, 2, 8, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.int32), k=-1, offset=0)
+
+
+@pytest.mark.parametrize("k", [5, 8, 13])
+def test_topk_wider_than_the_scores_is_padded_like_the_model(k):
+    """k >= n (a decode step before the context has K_I compressed rows): every visible entry, then
+    -1, as the model's top-k over -inf-padded scores gives (`pad_to`); the ref does the same."""
+    n, offset = 5, 7
+    sc = torch.randn(2, 3, n, generator=torch.Generator().manual_seed(fresh_seed())).bfloat16()
+    vl = torch.tensor([0, 3, 5], dtype=torch.int32)
+    got = K.index_topk(sc, vl, k=k, offset=offset)
+    assert same(got, K.index_topk_ref(sc, vl, k=k, offset=offset))
+    want = [[v + offset if v < min(vis, n) else -1 for v in range(k)] for vis in vl.tolist()]
+    assert got.tolist() == [want, want]
 
 
 def opcheck_all(device):

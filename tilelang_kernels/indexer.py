@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from dsv41c.tilelang_kernels.quant import _e2m1_value, _e8m0_value, _store, compile_for, define_op, kernel_target
 
 from dsv41c import quant
-from dsv41c.attention import Indexer, top_indices
+from dsv41c.attention import Indexer, pad_to, top_indices
 from dsv41c.attention import index_scores as eager_index_scores  # the op below is index_scores
 
 __all__ = ["BLOCK", "index_scores", "index_scores_ref", "index_topk", "index_topk_ref", "candidate_blocks",
@@ -91,8 +91,10 @@ def index_scores_ref(q, codes, scales, w, visible_len=None, cand_blocks=None, *,
 
 
 def index_topk_ref(scores, visible_len, *, k, offset):
-    """§6.5(g) with ties to the lower index: `top_indices` of the exact fp32 image, sorted."""
-    idx = top_indices(scores.float(), k).sort(dim=-1).values
+    """§6.5(g) with ties to the lower index: `top_indices` of the exact fp32 image, sorted.  k may
+    exceed the number of scores n: the scores are padded with -inf like the model's (`pad_to`), so
+    the slots past n are -1."""
+    idx = top_indices(pad_to(scores.float(), k), k).sort(dim=-1).values
     return torch.where(idx >= visible_len.view(1, -1, 1), -1, idx + offset).int()
 
 
@@ -390,10 +392,14 @@ def _topk_fake(scores, visible_len, k, offset):
 
 def _topk_impl(scores, visible_len, k, offset):
     _check_select("index_topk", scores, visible_len)
-    if not 0 <= k <= scores.shape[-1]:
-        raise ValueError(f"index_topk: k={k} must be in 0..{scores.shape[-1]} (the number of scores)")
+    if k < 0:
+        raise ValueError(f"index_topk: k={k} must be >= 0")
     out = _topk_fake(scores, visible_len, k, offset)
-    if out.numel():
+    n = scores.shape[-1]
+    if k >= n:  # every score is selected, sorted: 0..n-1, then the model's -inf padding (-1 slots)
+        idx = torch.arange(k, dtype=torch.int32, device=scores.device).expand_as(out)
+        out.copy_(torch.where(idx >= visible_len.view(1, -1, 1).clamp(max=n), -1, idx + offset))
+    elif out.numel():
         _select("topk", scores, visible_len, k, offset, out)
     return out
 
