@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 CHILD = r"""
@@ -48,9 +49,9 @@ print(json.dumps({"import": t_import - t0, "ready": t_ready - t_import, "first":
 """
 
 
-def child(mode: str, opts: argparse.Namespace, artifact: str, env: dict) -> dict:
+def child(mode: str, opts: argparse.Namespace, artifact: str, env: dict, cwd: str) -> dict:
     proc = subprocess.run([sys.executable, "-c", CHILD, mode, opts.config, artifact, str(opts.prompt_len),
-                           opts.device, opts.dtype], capture_output=True, text=True, env=env)
+                           opts.device, opts.dtype], capture_output=True, text=True, env=env, cwd=cwd)
     if proc.returncode:
         sys.exit(f"{mode} run failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -64,18 +65,27 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     opts = parser.parse_args()
+    opts.config = str(Path(opts.config).resolve())
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # Every child runs in the temp directory: `python -c`/`-m` put the working directory first on
+    # sys.path, and a source checkout there would shadow the installed dsv41c package.
     with tempfile.TemporaryDirectory() as tmp:
-        artifact = opts.artifact
+        artifact = opts.artifact and str(Path(opts.artifact).resolve())
         if artifact is None:
             artifact = str(Path(tmp) / "artifact")
+            t0 = time.perf_counter()
             subprocess.run([sys.executable, "-m", "dsv41c.cli.main", "export", "--config", opts.config,
-                            "--out", artifact, "--device", opts.device, "--dtype", opts.dtype], check=True, env=env)
-        rows = {"artifact (load)": child("artifact", opts, artifact, env)}
+                            "--out", artifact, "--device", opts.device, "--dtype", opts.dtype], check=True, env=env,
+                           cwd=tmp)
+            print(f"export: {time.perf_counter() - t0:.0f} s", flush=True)
         cache_env = {**env, "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "inductor-cache")}
-        rows["dsv41c.compile, empty cache"] = child("compile", opts, artifact, cache_env)
-        rows["dsv41c.compile, warm cache"] = child("compile", opts, artifact, cache_env)
-        rows["eager"] = child("eager", opts, artifact, env)
+        rows = {}
+        for name, mode, child_env in (("artifact (load)", "artifact", env),
+                                      ("dsv41c.compile, empty cache", "compile", cache_env),
+                                      ("dsv41c.compile, warm cache", "compile", cache_env),
+                                      ("eager", "eager", env)):
+            rows[name] = child(mode, opts, artifact, child_env, tmp)
+            print(f"{name}: {rows[name]}", flush=True)
     tokens = {r["token"] for r in rows.values()}
     base = rows["artifact (load)"]["total"]
     threads = ", 1 thread" if opts.device == "cpu" else ""
