@@ -1,7 +1,8 @@
 """mHC stream kernels on the GPU: the fused TileLang ops against eager torch (the `*_ref`, which
 compose dsv41c/mhc.py), `torch.compile` of the same refs, and the memory lower bound.
 
-    python3 benchmarks/mhc.py [--dim 5120] [--hc 4] [--tokens 1 64 4096 65536] [--json OUT.json]
+    python3 benchmarks/mhc.py [--dim 5120] [--hc 4] [--tokens 1 64 4096 65536] [--no-compile]
+                               [--json OUT.json]
 
 Bytes that any implementation must move per call (bf16 streams of m x D, one token = one row):
   post_pre, post_collapse: read res m*D and y D, write h_new m*D and x D  -> (2m + 2) * D * 2 B
@@ -74,6 +75,32 @@ def agree(op, got, want):
     return exact, mix_err
 
 
+def measure(op, n, m, d, compiled, copy_gbs, floor_ms):
+    """One table row: op at T = n tokens."""
+    kern, ref, names, mixes, _ = OPS[op]
+    x = inputs(n, m, d)
+    args = tuple(x[k] for k in names)
+    kw = HC if mixes else {}
+    exact, mix_err = agree(op, kern(*args, **kw), ref(*args, **kw))
+    t_k = timed(kern, args, kw)
+    t_g = bench_graph(lambda: kern(*args, **kw))
+    t_e = timed(ref, args, kw, reps=10)
+    t_c = float("nan")
+    if compiled is not None:
+        try:
+            t_c = timed(compiled, args, kw, reps=10)
+        except Exception as e:  # noqa: BLE001  (report, do not hide: Inductor may reject a ref)
+            print(f"torch.compile of {op} failed at T={n}: {type(e).__name__}: {str(e)[:200]}")
+    nbytes = min_bytes(op, n, m, d)
+    bound_ms = nbytes / (copy_gbs * 1e9) * 1e3
+    return {"op": op, "tokens": n, "dim": d, "hc": m, "bytes": nbytes, "tilelang_ms": t_k,
+            "graph_ms": t_g, "graph_pct_bound": 100 * bound_ms / t_g,
+            "eager_ms": t_e, "compile_ms": t_c, "bound_ms": bound_ms,
+            "pct_bound": 100 * bound_ms / t_k, "compile_pct_bound": 100 * bound_ms / t_c,
+            "vs_eager": t_e / t_k, "vs_compile": t_c / t_k,
+            "launch_floor_ms": floor_ms, "streams_bit_exact": exact, "mixes_max_abs": mix_err}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dim", type=int, default=5120)
@@ -89,30 +116,10 @@ def main() -> None:
     floors = {k: launch_floor(k) for k in (1, 2)}
     rows = []
     for op in a.ops:
-        kern, ref, names, mixes, launches = OPS[op]
+        _, ref, _, mixes, launches = OPS[op]
         compiled = None if a.no_compile else torch.compile(ref, dynamic=False)
         for n in a.tokens:
-            x = inputs(n, m, d)
-            args = tuple(x[k] for k in names)
-            kw = HC if mixes else {}
-            exact, mix_err = agree(op, kern(*args, **kw), ref(*args, **kw))
-            t_k = timed(kern, args, kw)
-            t_g = bench_graph(lambda: kern(*args, **kw))
-            t_e = timed(ref, args, kw, reps=10)
-            t_c = float("nan")
-            if compiled is not None:
-                try:
-                    t_c = timed(compiled, args, kw, reps=10)
-                except Exception as e:  # noqa: BLE001  (report, do not hide: Inductor may reject a ref)
-                    print(f"torch.compile of {op} failed at T={n}: {type(e).__name__}: {str(e)[:200]}")
-            nbytes = min_bytes(op, n, m, d)
-            bound_ms = nbytes / (copy_gbs * 1e9) * 1e3
-            rows.append({"op": op, "tokens": n, "dim": d, "hc": m, "bytes": nbytes, "tilelang_ms": t_k,
-                         "graph_ms": t_g, "graph_pct_bound": 100 * bound_ms / t_g,
-                         "eager_ms": t_e, "compile_ms": t_c, "bound_ms": bound_ms,
-                         "pct_bound": 100 * bound_ms / t_k, "compile_pct_bound": 100 * bound_ms / t_c,
-                         "vs_eager": t_e / t_k, "vs_compile": t_c / t_k,
-                         "launch_floor_ms": floors[launches], "streams_bit_exact": exact, "mixes_max_abs": mix_err})
+            rows.append(measure(op, n, m, d, compiled, copy_gbs, floors[launches]))
     print(f"\ndevice: {torch.cuda.get_device_name()}, copy bandwidth {copy_gbs:.0f} GB/s (4 GiB device-to-device, "
           f"read + write); launch floor {floors[1] * 1e3:.1f} us (1 launch), {floors[2] * 1e3:.1f} us (2)\n")
     print("| op | T | MB moved | TileLang us | % bound | in a CUDA graph us | % bound | eager us | x eager | compile us | compile % bound "

@@ -214,18 +214,30 @@ def test_opcheck_cpu():
 
 
 def test_cuda_build_lowers_for_sm90():
-    """Without a GPU: the sm_90 post_pre build lowers; its CUDA source has the properties the
-    design relies on (wgmma mixes GEMM, 16-byte stream accesses, no FMA contraction in the
-    expand/collapse, warp-shuffle sum of squares)."""
+    """Without a GPU: the sm_90a post_pre build lowers; its CUDA source has the properties the
+    design relies on (wgmma mixes GEMM, 16-byte stream accesses, two-stage cp.async into shared
+    memory, no FMA contraction in the expand/collapse, warp-shuffle sum of squares)."""
     import tilelang
     (_, main), _ = K.mhc_prim_funcs("post_pre", "bfloat16", 4, 5120, *HC.values(), "cuda")
-    tgt = {"kind": "cuda", "arch": "sm_90"}
+    tgt = {"kind": "cuda", "arch": "sm_90a"}
     with tilelang.tvm.target.Target(tgt):
         src = tilelang.lower(main, target=tgt).kernel_source
     assert "wgmma" in src and "__shfl_xor_sync" in src
     assert "*(uint4*)(xl" in src and "*(uint4*)(HN" in src and "*(uint4*)(X" in src
+    assert "cp_async_gs_conditional<16>" in src and "cp_async_wait<1>" in src
     assert "__fmul_rn" in src and "__fadd_rn" in src
     assert "fma" not in src  # no explicit fused multiply-add either
+
+
+def test_cuda_post_collapse_lowers_for_sm90():
+    """The flat post_collapse kernel: 16-byte loads and stores, no shared memory, no barrier."""
+    import tilelang
+    ((_, main),) = K.mhc_prim_funcs("post_collapse", "bfloat16", 4, 5120, *HC.values(), "cuda")
+    tgt = {"kind": "cuda", "arch": "sm_90a"}
+    with tilelang.tvm.target.Target(tgt):
+        src = tilelang.lower(main, target=tgt).kernel_source
+    assert "*(uint4*)(xl" in src and "*(uint4*)(HN" in src and "*(uint4*)(X" in src
+    assert "__shared__" not in src and "__syncthreads" not in src and "fma" not in src
 
 
 # ----------------------------------------------------------------------------------- CUDA
@@ -241,10 +253,11 @@ def test_cuda_kernels_match_refs(kind, dtype, n):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("d", (512, 1056))  # 8 and 3 CTAs along D (1056 / 32 = 33 chunks)
+@pytest.mark.parametrize("d", (512, 1056))  # 2 and 3 CTAs along D (1056 / 32 = 33 chunks)
 def test_cuda_other_widths(d):
     for kind in K.KINDS:
-        check(kind, torch.bfloat16, 77, d, "cuda")
+        for n in (77, 4099):  # 4099: 65 token tiles, the last with 3 tokens
+            check(kind, torch.bfloat16, n, d, "cuda")
 
 
 @pytest.mark.gpu

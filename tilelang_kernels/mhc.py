@@ -22,27 +22,38 @@ a*b+c into an FMA by default; the C build runs at -O0 without FMA.  x and the mi
 stored (rounded).  The mixes GEMM sums m*D terms in another order than torch, so pre/post/comb
 agree to fp32 rounding, not bitwise (the tests bound the difference).
 
-CPU (C target): one program per token, scalar loops; bf16 travels as its uint16 bits.
+CPU (C target): one program per token, scalar loops; bf16 travels as its uint16 bits.  The mixes
+sum m*DC products per block of DC columns, then the blocks in order (fp32 error ~1e-7, like torch).
 
-CUDA (sm_90a: wgmma needs the arch-specific target), two launches for the mixing ops:
-  1. `main`: grid (token tiles of TB=64, K splits of D), 128 threads (one warpgroup).  A CTA walks
-     its D range in chunks of DC=32 columns of all m streams.  Per chunk each thread owns 8
-     consecutive columns (a 16-byte bf16 vector) of two tokens: it loads res and y, forms h_new,
-     stores h_new and x (each the only time those bytes move), adds h_new^2 to a per-token
-     register sum, and stages h_new as bf16 into shared memory (fp32 streams: three bf16 pieces,
-     hi + mid + lo, which represent the fp32 value to 2^-24).  fn's chunk is read once per CTA
-     (so each fn element serves 64 tokens from L2) and split the same way into three bf16 pieces.
-     The mixes GEMM [64 tok x 4*DC] x [4*DC x 32] then runs on the tensor cores as bf16 x bf16:
-     the products of bf16 pieces are exact, and the pieces' cross terms sum to the fp32 product
-     to ~2^-24 relative, so no TF32 is involved (bf16 streams: 3 GEMMs per chunk, fp32 streams:
-     the 6 cross terms above 2^-24).  Each chunk's GEMM accumulates from zero and is added to the
-     CTA's total with IEEE fp32 adds: the tensor cores' own accumulation drifts (about 3e-5
-     relative over D = 5120 when one accumulator spans all chunks).  Partial dot products and
-     sums of squares go to a workspace [K, T, 32]; K is picked per call (`cuda_splits`): up to
-     20 CTAs along D for few tokens, fewer when the token tiles already fill the machine.
+CUDA (sm_90a: wgmma needs the arch-specific target).
+  post_collapse: one flat streaming kernel, no shared memory, no barrier.  An item is 8 consecutive
+     columns of one token; consecutive threads take consecutive items, so a warp's 16-byte accesses
+     cover 512 contiguous bytes of a row.  Each thread loads its 2 items (the m streams, y and the
+     token's 24 coefficients) before computing any.
+  pre, post_pre: two launches.
+  1. `main`: grid (K splits of D, token tiles of TB=64), 128 threads (one warpgroup).  The split is
+     blockIdx.x, so a tile's K CTAs are resident together, and CTA k takes the chunks of DC=32
+     columns k, k + K, k + 2K, ...: together they read K adjacent 64-byte pieces of each row (with
+     K >= 8, 512 contiguous bytes and more) instead of pieces 10 KB apart.  Per chunk each thread
+     owns 8 consecutive columns (a 16-byte bf16 vector) of two tokens: it forms h_new, stores h_new
+     and x (each the only time those bytes move), adds h_new^2 to a per-token register sum, and
+     stages h_new as bf16 into shared memory (fp32 streams: three bf16 pieces, hi + mid + lo, which
+     represent the fp32 value to 2^-24).  fn's chunk is read by every CTA (so each fn element serves
+     64 tokens from L2) and split the same way into three bf16 pieces.  The mixes GEMM
+     [64 tok x 4*DC] x [4*DC x 32] then runs on the tensor cores as bf16 x bf16: the products of
+     bf16 pieces are exact, and the pieces' cross terms sum to the fp32 product to ~2^-24 relative,
+     so no TF32 is involved (bf16 streams: 3 GEMMs per chunk, fp32 streams: the 6 cross terms above
+     2^-24).  Each chunk's GEMM accumulates from zero and is added to the CTA's total with IEEE fp32
+     adds: the tensor cores' own accumulation drifts (about 3e-5 relative over D = 5120 when one
+     accumulator spans all chunks).  Partial dot products and sums of squares go to a workspace
+     [K, T, 32]; K is picked per call (`cuda_splits`).
+     The streams go global -> shared with cp.async into two stages: chunk c + 1 is in flight
+     while chunk c is computed and multiplied, and fn's loads are issued before chunk c's compute
+     and used after it (155 registers, 86 KB of shared memory: 2 CTAs per SM, bf16).  (Loading
+     straight into registers with no overlap inside a CTA, 3 CTAs per SM, measured 36% / 51% of
+     the bound at T = 4096 / 65536 on an H200 against this one's 41% / 47%: BENCHMARKS.md.)
   2. `finalize`: one thread per token sums the K partials in fixed order, then rsqrt, sigmoids
      and the Sinkhorn of §5.2 in registers.  Deterministic: no atomics.
-`post_collapse` is the `main` kernel alone, without the GEMM, 4 chunks per CTA.
 """
 
 import functools
@@ -73,7 +84,7 @@ TB = 64  # CUDA: tokens per CTA (the wgmma M)
 DC = 32  # CUDA: columns of each stream per chunk
 _THREADS = 128  # CUDA: one warpgroup
 _NPAD = 32  # CUDA: GEMM N, the mix coefficients padded; column 24 (mix) of the workspace = sum of squares
-_MAX_SPLITS = 8  # CUDA: most CTAs along D
+_CTAS_PER_SM = 2  # CUDA: resident mixes CTAs per H200 SM (shared memory: two stages of streams)
 
 
 # ------------------------------------------------------------------------------------- refs
@@ -243,33 +254,47 @@ def _cpu_prim_func(kind, dtype, m, D, norm_eps, hc_eps, iters):
     mul, add = _arith(False)
 
     @T.macro
+    def column(B, t, d, v):
+        """Column d of token t: h_new (stored), x, and v = the stream as stored, in fp32."""
+        s = T.alloc_var("float32")
+        if expand:
+            for j in T.serial(m):
+                s = mul(B["CIN"][t, 0, j], _ld(B["RES"][t, 0, d]))
+                for i in T.serial(1, m):
+                    s = add(s, mul(B["CIN"][t, i, j], _ld(B["RES"][t, i, d])))
+                B["HN"][t, j, d] = _store(sdt, add(mul(B["PIN"][t, j], _ld(B["Y"][t, d])), s))
+                v[j] = _ld(B["HN"][t, j, d])  # the stored (rounded) stream
+        else:
+            for j in T.serial(m):
+                v[j] = _ld(B["H"][t, j, d])
+        s = mul(B["PD"][t, 0], v[0])
+        for j in T.serial(1, m):
+            s = add(s, mul(B["PD"][t, j], v[j]))
+        B["X"][t, d] = _store(sdt, s)
+
+    @T.macro
     def body(B):
         with TC.Kernel(N) as t:
             acc = T.alloc_local((mix + 1,), "float32")
+            part = T.alloc_local((mix + 1,), "float32")
             c = T.alloc_local((m * m,), "float32")
             v = T.alloc_local((m,), "float32")
-            s = T.alloc_var("float32")
             T.clear(acc)
-            for d in T.serial(D):
-                if expand:
-                    for j in T.serial(m):
-                        s = mul(B["CIN"][t, 0, j], _ld(B["RES"][t, 0, d]))
-                        for i in T.serial(1, m):
-                            s = add(s, mul(B["CIN"][t, i, j], _ld(B["RES"][t, i, d])))
-                        B["HN"][t, j, d] = _store(sdt, add(mul(B["PIN"][t, j], _ld(B["Y"][t, d])), s))
-                        v[j] = _ld(B["HN"][t, j, d])  # the stored (rounded) stream
-                else:
-                    for j in T.serial(m):
-                        v[j] = _ld(B["H"][t, j, d])
-                s = mul(B["PD"][t, 0], v[0])
-                for j in T.serial(1, m):
-                    s = add(s, mul(B["PD"][t, j], v[j]))
-                B["X"][t, d] = _store(sdt, s)
+            # The mixes sum over blocks of DC columns, each block's m*DC products on their own,
+            # then the blocks in order: the fp32 error grows with m*DC + D/DC terms, not m*D.
+            for b in T.serial(T.ceildiv(D, DC)):
+                T.clear(part)
+                for dd in T.serial(DC):
+                    if b * DC + dd < D:
+                        column(B, t, b * DC + dd, v)
+                        if mixes:
+                            for j in T.serial(m):
+                                part[mix] = part[mix] + v[j] * v[j]
+                                for q in T.serial(mix):
+                                    part[q] = part[q] + B["FN"][q, j * D + b * DC + dd] * v[j]
                 if mixes:
-                    for j in T.serial(m):
-                        acc[mix] = acc[mix] + v[j] * v[j]
-                        for q in T.serial(mix):
-                            acc[q] = acc[q] + B["FN"][q, j * D + d] * v[j]
+                    for q in T.serial(mix + 1):
+                        acc[q] = acc[q] + part[q]
             if mixes:
                 finalize(acc, c, B["SC"], B["BASE"], B["PRE"], B["POST"], B["COMB"], t)
 
@@ -279,16 +304,17 @@ def _cpu_prim_func(kind, dtype, m, D, norm_eps, hc_eps, iters):
 # ------------------------------------------------------------------------------------- builds
 
 def mhc_prim_funcs(kind, dtype, m, D, norm_eps, hc_eps, iters, target):
-    """[(parameter names, prim_func)] of one op: its C kernel on "c"; on "cuda" the main kernel,
-    then for the mixing kinds the finalize kernel."""
+    """[(parameter names, prim_func)] of one op: its C kernel on "c"; on "cuda" the main kernel
+    (the mixes kernel, or for post_collapse the flat streaming kernel), then for the mixing kinds
+    the finalize kernel."""
     if kind not in KINDS or dtype not in ("float32", "bfloat16") or m < 1 or D < 1:
         raise ValueError(f"mhc kernels: unknown kind/dtype/shape {kind!r}/{dtype!r}/m={m}/D={D}")
     if target == "c":
         return [_cpu_prim_func(kind, dtype, m, D, norm_eps, hc_eps, iters)]
-    fns = [_cuda_main_prim_func(kind, dtype, m, D)]
-    if kind != "post_collapse":
-        fns.append(_cuda_finalize_prim_func(m, D, norm_eps, hc_eps, iters))
-    return fns
+    if kind == "post_collapse":
+        return [_cuda_stream_prim_func(dtype, m, D)]
+    return [_cuda_mixes_prim_func(kind, dtype, m, D),
+            _cuda_finalize_prim_func(m, D, norm_eps, hc_eps, iters)]
 
 
 @functools.cache
@@ -300,16 +326,16 @@ def build(kind: str, dtype: str, m: int, D: int, norm_eps: float, hc_eps: float,
     return tuple((names, compile_for(f, target)) for names, f in fns)
 
 
-def cuda_splits(D: int, n: int, slots: int = 3 * 132) -> int:
+def cuda_splits(D: int, n: int, sms: int = 132) -> int:
     """CTAs along D per token tile for T = n tokens: the divisor K of D/DC that minimises
-    waves x chunks per CTA over `slots` resident CTAs (3 per SM on an H200: 159 registers per
-    thread, 47 KB of shared memory per CTA), with the workspace
-    (K x 128 B per token) kept under ~3% of the stream traffic; at T = 1 that is up to 20 CTAs
-    side by side instead of one CTA walking all of D."""
-    chunks, tiles = D // DC, -(-n // TB)
+    waves x chunks per CTA over the resident CTAs (`_CTAS_PER_SM` per SM), preferring K >= 8
+    (the tile's CTAs then read at least 512 contiguous bytes of a row together), with the
+    workspace (K x 128 B per token) kept under ~3% of the stream traffic; at T = 1 that is up
+    to 20 CTAs side by side instead of one CTA walking all of D."""
+    chunks, tiles, slots = D // DC, -(-n // TB), _CTAS_PER_SM * sms
     cap = max(1, (D * 2 * 10) * 3 // 100 // (_NPAD * 4))
     ks = [k for k in range(1, chunks + 1) if chunks % k == 0 and k <= cap] or [1]
-    return min(ks, key=lambda k: (-(-tiles * k // slots) * (chunks // k), k))
+    return min(ks, key=lambda k: (-(-tiles * k // slots) * (chunks // k), k < 8, k))
 
 
 # ------------------------------------------------------------------------------------- torch.library ops
@@ -338,8 +364,9 @@ def _check(op, streams, coefs, fn_args):
         if tuple(t.shape) != shape or t.dtype != dtype or t.device != s0.device:
             raise ValueError(f"{op}: {name} must be {dtype} {shape} on {s0.device}, "
                              f"got {t.dtype} {tuple(t.shape)} on {t.device}")
-    if s0.is_cuda and (d % DC or (fn_args is not None and mix > _NPAD - 1)):
-        raise ValueError(f"{op}: the CUDA build needs D % {DC} == 0 and 2m + m^2 < {_NPAD}, got D={d}, m={m}")
+    if s0.is_cuda and (d % DC or (fn_args is not None and (mix > _NPAD - 1 or n > 65535 * TB))):
+        raise ValueError(f"{op}: the CUDA build needs D % {DC} == 0, 2m + m^2 < {_NPAD} and at most "
+                         f"{65535 * TB} tokens (grid y), got D={d}, m={m}, T={n}")
     return n, m, d
 
 
@@ -461,13 +488,88 @@ def _bf16_pieces(v, n):
     return out
 
 
-def _cuda_main_prim_func(kind, dtype, m, D):
-    """The streaming kernel (module docstring, CUDA step 1)."""
-    mixes, expand = kind != "post_collapse", kind != "pre"
+def _expand_exprs(m, co, xs, mul, add):
+    """fp32 expressions of h_new[j], j = 0..m-1, for one column, in the reference's operation order
+    (module docstring).  co(k) is the token's coefficient k (post 0..m-1, then comb row-major);
+    xs(r) the fp32 value of source stream r (r = m: y)."""
+    out = []
+    for j in range(m):
+        s = mul(co(m + j), xs(0))
+        for i in range(1, m):
+            s = add(s, mul(co(m + i * m + j), xs(i)))
+        out.append(add(mul(co(j), xs(m)), s))
+    return out
+
+
+def _collapse_expr(m, pd, hv, mul, add):
+    """fp32 expression of x = sum_j pd(j) * hv[j], in order j = 0..m-1."""
+    s = mul(pd(0), hv[0])
+    for j in range(1, m):
+        s = add(s, mul(pd(j), hv[j]))
+    return s
+
+
+def _cuda_stream_prim_func(dtype, m, D):
+    """post_collapse: the flat streaming kernel (module docstring, CUDA)."""
+    names = _PARAMS["post_collapse", "main"]
+    S, N = _buffers(names, dtype, m, D)
+    vec, vw = 8, 16 // (4 if dtype == "float32" else 2)
+    ipt = D // vec  # items (8 columns of one token) per token
+    U = 2  # items per thread
+    mul, add = _arith(True)
+
+    @T.macro
+    def body(B):
+        with T.Kernel(T.ceildiv(N * ipt, _THREADS * U), threads=_THREADS) as bx:
+            tx = T.get_thread_binding()
+            xl = T.alloc_local((U, m + 1, vec), dtype)
+            co = T.alloc_local((U, 2 * m + m * m), "float32")
+            ol = T.alloc_local((m, vec), dtype)
+            xo = T.alloc_local((vec,), dtype)
+            hv = T.alloc_local((m,), "float32")
+            for u in T.unroll(U):  # all loads first: 2 x (m + 1) x 16 B in flight per thread
+                g = (bx * U + u) * _THREADS + tx
+                t = g // ipt
+                if t < N:
+                    for j in T.vectorized(m):
+                        co[u, j] = B["PIN"][t, j]
+                        co[u, m + m * m + j] = B["PD"][t, j]
+                    for i in T.unroll(m):
+                        for j in T.vectorized(m):
+                            co[u, m + i * m + j] = B["CIN"][t, i, j]
+                    for h2 in T.unroll(vec // vw):
+                        for j in T.unroll(m):
+                            for e in T.vectorized(vw):
+                                xl[u, j, h2 * vw + e] = B["RES"][t, j, g % ipt * vec + h2 * vw + e]
+                        for e in T.vectorized(vw):
+                            xl[u, m, h2 * vw + e] = B["Y"][t, g % ipt * vec + h2 * vw + e]
+            for u in T.unroll(U):
+                g = (bx * U + u) * _THREADS + tx
+                t = g // ipt
+                for e in T.unroll(vec):
+                    # (the lambdas are called at once, at trace time)
+                    for j, hj in enumerate(_expand_exprs(
+                            m, lambda coef: co[u, coef], lambda src_row: T.Cast("float32", xl[u, src_row, e]),  # noqa: B023
+                            mul, add)):
+                        ol[j, e] = T.Cast(dtype, hj)
+                        hv[j] = T.Cast("float32", ol[j, e])
+                    xo[e] = T.Cast(dtype, _collapse_expr(m, lambda pd_j: co[u, m + m * m + pd_j], hv, mul, add))  # noqa: B023
+                if t < N:
+                    for h2 in T.unroll(vec // vw):
+                        for e in T.vectorized(vw):
+                            B["X"][t, g % ipt * vec + h2 * vw + e] = xo[h2 * vw + e]
+                        for j in T.unroll(m):
+                            for e in T.vectorized(vw):
+                                B["HN"][t, j, g % ipt * vec + h2 * vw + e] = ol[j, h2 * vw + e]
+
+    return names, _prim_func(names, S, body)
+
+
+def _cuda_mixes_prim_func(kind, dtype, m, D):
+    """The streaming kernel with the mixes GEMM (module docstring, CUDA step 1)."""
+    expand = kind == "post_pre"
     names = _PARAMS[kind, "main"]
-    # splits of D: the workspace's leading dim, chosen per call (`cuda_splits`); without mixes, up
-    # to 4 chunks per CTA
-    splits = T.dynamic("K") if mixes else D // DC // max(g for g in (1, 2, 4) if D // DC % g == 0)
+    splits = T.dynamic("K")  # CTAs along D: the workspace's leading dim, chosen per call (`cuda_splits`)
     S, N = _buffers(names, dtype, m, D, splits)
     mix = 2 * m + m * m
     nch = D // DC // splits  # chunks per CTA
@@ -476,114 +578,133 @@ def _cuda_main_prim_func(kind, dtype, m, D):
     vw = 16 // (4 if dtype == "float32" else 2)  # values per 16-byte access
     ipr = DC // vec  # items per token row of a chunk
     U = TB * ipr // _THREADS  # items per thread
+    rows = list(range(m + 1 if expand else m))  # stream rows per token (+ y); a list: unrolled at trace time
     npa = 1 if dtype == "bfloat16" else 3  # bf16 pieces of a stream value
     pieces = list(range(npa))
     pairs = [(a, b) for a in range(npa) for b in range(3) if a + b <= 2]
     nfv = mix * kc // 4  # float4 vectors of fn per chunk
     FU = -(-nfv // _THREADS)
     ncf = (m + m * m if expand else 0) + m  # per-token coefficients: post, comb, pre_delayed
-    pdo = ncf - m
     src = "RES" if expand else "H"
     mul, add = _arith(True)
     assert TB * ipr % _THREADS == 0 and D % DC == 0
 
+    def row(B, r, t, c):
+        """Element (t, c) of stream r of the source (r = m: y)."""
+        return B["Y"][t, c] if r == m else B[src][t, r, c]
+
     @T.macro
-    def load(B, xl, fl, bx, tx, d0):
-        """Issue the global loads of the chunk at column d0: fn (mixes) and the streams."""
-        if mixes:
-            for u in T.unroll(FU):
-                q = u * _THREADS + tx
-                if FU * _THREADS == nfv or q < nfv:
+    def load_fn(B, fl, tx, d0):
+        """fn's chunk at column d0 of every stream, as float4 vectors, into registers."""
+        for u in T.unroll(FU):
+            q = u * _THREADS + tx
+            if FU * _THREADS == nfv or q < nfv:
+                for e in T.vectorized(4):
+                    fl[u, e] = B["FN"][q // (kc // 4), (q % (kc // 4)) * 4 // DC * D + d0
+                                       + (q % (kc // 4)) * 4 % DC + e]
+
+    @T.macro
+    def split_fn(fl, bl, Bs, tx):
+        """fn's chunk into Bs as three bf16 pieces."""
+        for u in T.unroll(FU):
+            q = u * _THREADS + tx
+            if FU * _THREADS == nfv or q < nfv:
+                for e in T.unroll(4):
+                    for p, piece in enumerate(_bf16_pieces(fl[u, e], 3)):
+                        bl[p, e] = piece
+                for p in [0, 1, 2]:
                     for e in T.vectorized(4):
-                        fl[u, e] = B["FN"][q // (kc // 4), (q % (kc // 4)) * 4 // DC * D + d0
-                                           + (q % (kc // 4)) * 4 % DC + e]
+                        Bs[p][q // (kc // 4), (q % (kc // 4)) * 4 + e] = bl[p, e]
+
+    @T.macro
+    def issue_streams(B, St, stage, bt, tx, d0):
+        """cp.async of the chunk's streams into St[stage]; rows past N are zero-filled."""
         for u in T.unroll(U):
             it = u * _THREADS + tx
-            t = bx * TB + it // ipr
-            if t < N:
-                for h2 in T.unroll(vec // vw):
-                    for j in T.unroll(m):
-                        for e in T.vectorized(vw):
-                            xl[u, j, h2 * vw + e] = B[src][t, j, d0 + it % ipr * vec + h2 * vw + e]
-                    if expand:
-                        for e in T.vectorized(vw):
-                            xl[u, m, h2 * vw + e] = B["Y"][t, d0 + it % ipr * vec + h2 * vw + e]
+            t = bt * TB + it // ipr
+            for h2 in T.unroll(vec // vw):
+                for r in rows:
+                    T.ptx_cp_async(T.access_ptr(St[stage, it // ipr, r, it % ipr * vec + h2 * vw], "w"),
+                                   T.access_ptr(row(B, r, t, d0 + it % ipr * vec + h2 * vw), "r"), vw,
+                                   predicate=t < N)
 
     @T.macro
     def body(B):
-        with T.Kernel(T.ceildiv(N, TB), splits, threads=_THREADS) as (bx, by):
+        # The D split is blockIdx.x, so the K CTAs of a token tile are launched together, and CTA k
+        # takes chunks k, k + K, k + 2K, ...: at any time the tile's CTAs read K adjacent 64-byte
+        # pieces of each row, K * 64 contiguous bytes, instead of 64 bytes 10 KB apart.
+        with T.Kernel(splits, T.ceildiv(N, TB), threads=_THREADS) as (bk, bt):
             tx = T.get_thread_binding()
+            # the chunks' streams in two stages; token stride (m + 1) * DC values for every kind
+            # (bf16: 320 B) keeps the 16-byte accesses of 8 lanes (two tokens) on distinct banks
+            St = T.alloc_shared((2, TB, m + 1, DC), dtype)
+            issue_streams(B, St, 0, bt, tx, bk * DC)
+            T.ptx_commit_group()
             Co = T.alloc_shared((TB, ncf), "float32")  # per-token post, comb, pre_delayed
-            xl = T.alloc_local((U, m + 1, vec), dtype)  # loaded streams (and y)
+            xl = T.alloc_local((U, len(rows), vec), dtype)  # the chunk's streams (and y)
             ol = T.alloc_local((m, vec), dtype)  # h_new as stored
             xo = T.alloc_local((vec,), dtype)
             hv = T.alloc_local((m,), "float32")
-            s = T.alloc_var("float32")
-            fl = T.alloc_local((FU if mixes else 1, 4), "float32")
-            if mixes:
-                As = [T.alloc_shared((TB, kc), "bfloat16") for _ in pieces]
-                Bs = [T.alloc_shared((_NPAD, kc), "bfloat16") for _ in range(3)]
-                Cs = T.alloc_shared((TB, _NPAD), "float32")
-                Cf = T.alloc_fragment((TB, _NPAD), "float32")
-                al = T.alloc_local((npa, m, vec), "bfloat16")
-                Cc = T.alloc_fragment((TB, _NPAD), "float32")
-                bl = T.alloc_local((3, 4), "bfloat16")
-                sq = T.alloc_local((U,), "float32")
-                T.clear(Cf)
-                for u in T.unroll(U):
-                    sq[u] = T.float32(0)
-                for q in T.serial((_NPAD - mix) * kc // _THREADS):  # zero fn rows mix.._NPAD
-                    for p in [0, 1, 2]:  # a Python list: unrolled at trace time
-                        Bs[p][mix + (q * _THREADS + tx) // kc, (q * _THREADS + tx) % kc] = T.bfloat16(0)
+            fl = T.alloc_local((FU, 4), "float32")
+            As = [T.alloc_shared((TB, kc), "bfloat16") for _ in pieces]
+            Bs = [T.alloc_shared((_NPAD, kc), "bfloat16") for _ in range(3)]
+            Cs = T.alloc_shared((TB, _NPAD), "float32")
+            Cf = T.alloc_fragment((TB, _NPAD), "float32")
+            al = T.alloc_local((npa, m, vec), "bfloat16")
+            Cc = T.alloc_fragment((TB, _NPAD), "float32")
+            bl = T.alloc_local((3, 4), "bfloat16")
+            sq = T.alloc_local((U,), "float32")
+            T.clear(Cf)
+            for u in T.unroll(U):
+                sq[u] = T.float32(0)
+            for q in T.serial((_NPAD - mix) * kc // _THREADS):  # zero fn rows mix.._NPAD
+                for p in [0, 1, 2]:  # a Python list: unrolled at trace time
+                    Bs[p][mix + (q * _THREADS + tx) // kc, (q * _THREADS + tx) % kc] = T.bfloat16(0)
             for q in T.serial(T.ceildiv(TB * ncf, _THREADS)):
                 i = q * _THREADS + tx
-                t = bx * TB + i // ncf
+                t = bt * TB + i // ncf
                 if i < TB * ncf and t < N:
-                    if i % ncf >= pdo:
-                        Co[i // ncf, i % ncf] = B["PD"][t, i % ncf - pdo]
+                    if i % ncf >= ncf - m:
+                        Co[i // ncf, i % ncf] = B["PD"][t, i % ncf - (ncf - m)]
                     if expand:
-                        if i % ncf >= m and i % ncf < pdo:
+                        if i % ncf >= m and i % ncf < ncf - m:
                             Co[i // ncf, i % ncf] = B["CIN"][t, (i % ncf - m) // m, (i % ncf - m) % m]
                         if i % ncf < m:
                             Co[i // ncf, i % ncf] = B["PIN"][t, i % ncf]
-            T.sync_threads()
             for ch in T.serial(nch):
-                d0 = (by * nch + ch) * DC
-                if mixes:
-                    T.sync_threads()  # the previous chunk's GEMM has read As/Bs
-                load(B, xl, fl, bx, tx, d0)
-                if mixes:
-                    for u in T.unroll(FU):
-                        q = u * _THREADS + tx
-                        if FU * _THREADS == nfv or q < nfv:
-                            for e in T.unroll(4):
-                                for p, piece in enumerate(_bf16_pieces(fl[u, e], 3)):
-                                    bl[p, e] = piece
-                            for p in [0, 1, 2]:
-                                for e in T.vectorized(4):
-                                    Bs[p][q // (kc // 4), (q % (kc // 4)) * 4 + e] = bl[p, e]
+                d0 = (ch * splits + bk) * DC
+                T.sync_threads()  # the previous chunk's GEMM has read As/Bs and its St stage
+                if ch + 1 < nch:
+                    issue_streams(B, St, (ch + 1) % 2, bt, tx, d0 + splits * DC)
+                T.ptx_commit_group()  # (empty in the last chunk: the wait below stays uniform)
+                load_fn(B, fl, tx, d0)
+                T.ptx_wait_group(1)  # this thread's copies of chunk ch have landed
+                T.sync_threads()  # and everyone's
                 for u in T.unroll(U):
                     it = u * _THREADS + tx
-                    t = bx * TB + it // ipr
+                    for r in T.unroll(len(rows)):
+                        for e in T.vectorized(vec):
+                            xl[u, r, e] = St[ch % 2, it // ipr, r, it % ipr * vec + e]
+                for u in T.unroll(U):
+                    it = u * _THREADS + tx
+                    t = bt * TB + it // ipr
                     for e in T.unroll(vec):
-                        for j in T.unroll(m):
-                            if expand:
-                                s = mul(Co[it // ipr, m + j], T.Cast("float32", xl[u, 0, e]))
-                                for i in T.unroll(1, m):
-                                    s = add(s, mul(Co[it // ipr, m + i * m + j], T.Cast("float32", xl[u, i, e])))
-                                ol[j, e] = T.Cast(dtype, add(mul(Co[it // ipr, j], T.Cast("float32", xl[u, m, e])), s))
+                        if expand:
+                            for j, hj in enumerate(_expand_exprs(  # (the lambdas: called at once, at trace time)
+                                    m, lambda coef: Co[it // ipr, coef],  # noqa: B023
+                                    lambda src_row: T.Cast("float32", xl[u, src_row, e]), mul, add)):  # noqa: B023
+                                ol[j, e] = T.Cast(dtype, hj)
                                 hv[j] = T.Cast("float32", ol[j, e])
-                            else:
+                        else:
+                            for j in rows[:m]:
                                 hv[j] = T.Cast("float32", xl[u, j, e])
-                            if mixes:
-                                sq[u] = sq[u] + hv[j] * hv[j]
-                                if npa > 1:
-                                    for p, piece in enumerate(_bf16_pieces(hv[j], npa)):
-                                        al[p, j, e] = piece
-                        s = mul(Co[it // ipr, pdo], hv[0])
-                        for j in T.unroll(1, m):
-                            s = add(s, mul(Co[it // ipr, pdo + j], hv[j]))
-                        xo[e] = T.Cast(dtype, s)
+                        xo[e] = T.Cast(dtype, _collapse_expr(
+                            m, lambda pd_j: Co[it // ipr, ncf - m + pd_j], hv, mul, add))  # noqa: B023
+                        for j in T.unroll(m):
+                            sq[u] = sq[u] + hv[j] * hv[j]
+                            if npa > 1:
+                                for p, piece in enumerate(_bf16_pieces(hv[j], npa)):
+                                    al[p, j, e] = piece
                     if t < N:
                         c0 = d0 + it % ipr * vec
                         for h2 in T.unroll(vec // vw):
@@ -593,41 +714,40 @@ def _cuda_main_prim_func(kind, dtype, m, D):
                                 for j in T.unroll(m):
                                     for e in T.vectorized(vw):
                                         B["HN"][t, j, c0 + h2 * vw + e] = ol[j, h2 * vw + e]
-                    if mixes:  # the GEMM operand: the stream as stored, or its bf16 pieces
-                        for j in T.unroll(m):
-                            for p in pieces:
-                                for e in T.vectorized(vec):
-                                    if npa > 1:
-                                        As[p][it // ipr, j * DC + it % ipr * vec + e] = al[p, j, e]
-                                    elif expand:
-                                        As[p][it // ipr, j * DC + it % ipr * vec + e] = ol[j, e]
-                                    else:
-                                        As[p][it // ipr, j * DC + it % ipr * vec + e] = xl[u, j, e]
-                if mixes:
-                    T.sync_threads()
-                    # Each chunk accumulates on its own and is added to the total in IEEE fp32: the
-                    # tensor cores' accumulation does not round like fp32 adds, and its error
-                    # would otherwise grow with D.
-                    T.clear(Cc)
-                    for a, b in pairs[::-1]:  # the small cross terms first
-                        T.gemm(As[a], Bs[b], Cc, transpose_B=True)
-                    for i, j in T.Parallel(TB, _NPAD):
-                        Cf[i, j] = Cf[i, j] + Cc[i, j]
-            if mixes:
-                T.copy(Cf, Cs)
-                for u in T.unroll(U):
-                    it = u * _THREADS + tx
-                    t = bx * TB + it // ipr
-                    for k in T.unroll(ipr.bit_length() - 1):  # the ipr lanes of one token row
-                        sq[u] = sq[u] + T.shfl_xor(sq[u], 1 << k)
-                    if t < N and it % ipr == 0:
-                        B["WS"][by, t, mix] = sq[u]
+                    # the GEMM operand: the stream as stored, or its bf16 pieces
+                    for j in T.unroll(m):
+                        for p in pieces:
+                            for e in T.vectorized(vec):
+                                if npa > 1:
+                                    As[p][it // ipr, j * DC + it % ipr * vec + e] = al[p, j, e]
+                                elif expand:
+                                    As[p][it // ipr, j * DC + it % ipr * vec + e] = ol[j, e]
+                                else:
+                                    As[p][it // ipr, j * DC + it % ipr * vec + e] = xl[u, j, e]
+                split_fn(fl, bl, Bs, tx)  # (fn's loads had the stream compute to land)
                 T.sync_threads()
-                for u in T.unroll(TB * _NPAD // _THREADS):
-                    it = u * _THREADS + tx
-                    t = bx * TB + it // _NPAD
-                    if t < N and it % _NPAD < mix:
-                        B["WS"][by, t, it % _NPAD] = Cs[it // _NPAD, it % _NPAD]
+                # Each chunk accumulates on its own and is added to the total in IEEE fp32: the
+                # tensor cores' accumulation does not round like fp32 adds, and its error would
+                # otherwise grow with D.
+                T.clear(Cc)
+                for a, b in pairs[::-1]:  # the small cross terms first
+                    T.gemm(As[a], Bs[b], Cc, transpose_B=True)
+                for i, j in T.Parallel(TB, _NPAD):
+                    Cf[i, j] = Cf[i, j] + Cc[i, j]
+            T.copy(Cf, Cs)
+            for u in T.unroll(U):
+                it = u * _THREADS + tx
+                t = bt * TB + it // ipr
+                for k in T.unroll(ipr.bit_length() - 1):  # the ipr lanes of one token row
+                    sq[u] = sq[u] + T.shfl_xor(sq[u], 1 << k)
+                if t < N and it % ipr == 0:
+                    B["WS"][bk, t, mix] = sq[u]
+            T.sync_threads()
+            for u in T.unroll(TB * _NPAD // _THREADS):
+                it = u * _THREADS + tx
+                t = bt * TB + it // _NPAD
+                if t < N and it % _NPAD < mix:
+                    B["WS"][bk, t, it % _NPAD] = Cs[it // _NPAD, it % _NPAD]
 
     return names, _prim_func(names, S, body)
 
