@@ -8,8 +8,13 @@ an FP8 ring of 128 window rows and n_c = context / ratio FP4 compressed rows (ra
 released kv sources), of which the index list names the top-k = 512 (ascending, as the indexer
 emits them), after the 128 ring slots: K = 640 entries.
 
+The kernel splits each query's list over several CTAs when the batch alone does not fill the SMs
+(`num_splits` in tilelang_kernels/attention.py; "CTAs/query" in the table), then merges the splits
+with a second kernel: both are in the times.
+
 Variants, each timed with CUDA events (median of batches of back-to-back calls):
-  tilelang       `sparse_attn_packed`: gathers the listed rows from the packed bytes
+  tilelang       `sparse_attn_packed`: gathers the listed rows from the packed bytes ("in a CUDA
+                 graph": the same calls captured in a graph and replayed, the device time alone)
   tilelang rows  `sparse_attn` over the same rows already in bf16 (1 KB per row: the cost of the
                  unpacked cache, for comparison)
   eager          `sparse_attn_packed_ref` in eager torch: what the eager model does with packed
@@ -104,9 +109,12 @@ def main() -> None:
                 except Exception as e:  # noqa: BLE001  (report, do not hide: Inductor may reject the ref)
                     print(f"torch.compile failed at batch {batch}, context {context}: {type(e).__name__}: "
                           f"{str(e)[:200]}")
+            splits = A.num_splits(batch * -(-H // 64), -(-(WINDOW + TOPK) // A.BLOCK),
+                                  torch.cuda.get_device_properties(0).multi_processor_count)
             nbytes = min_bytes(batch)
             bound_ms = nbytes / (copy_gbs * 1e9) * 1e3
-            rows.append({"batch": batch, "context": context, "compressed_rows": n_c, "bytes": nbytes,
+            rows.append({"batch": batch, "context": context, "compressed_rows": n_c, "ctas_per_query": splits,
+                         "bytes": nbytes,
                          "tilelang_ms": t_k, "graph_ms": t_g, "graph_pct_bound": 100 * bound_ms / t_g,
                          "tilelang_rows_ms": t_kr, "eager_ms": t_e, "eager_rows_ms": t_r,
                          "compile_ms": t_c,
@@ -117,12 +125,13 @@ def main() -> None:
             torch.cuda.empty_cache()
     print(f"\ndevice: {torch.cuda.get_device_name()}, copy bandwidth {copy_gbs:.0f} GB/s (4 GiB device-to-device, "
           f"read + write); H={H}, d={D}, window {WINDOW}, top-k {TOPK}, ratio {a.ratio}\n")
-    print("| batch | context | MB moved | bound us | TileLang us | % bound | in a CUDA graph us | % bound "
+    print("| batch | context | CTAs/query | MB moved | bound us | TileLang us | % bound | in a CUDA graph us | % bound "
           "| TileLang rows us | eager us | x eager "
           "| eager rows us | x eager rows | compile us | compile % bound | x compile | max abs vs ref |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['batch']} | {r['context'] // 1024}K | {r['bytes'] / 1e6:.2f} | {r['bound_ms'] * 1e3:.1f} | "
+        print(f"| {r['batch']} | {r['context'] // 1024}K | {r['ctas_per_query']} | {r['bytes'] / 1e6:.2f} | "
+              f"{r['bound_ms'] * 1e3:.1f} | "
               f"{r['tilelang_ms'] * 1e3:.1f} | {r['pct_bound']:.0f}% | {r['graph_ms'] * 1e3:.1f} | "
               f"{r['graph_pct_bound']:.0f}% | {r['tilelang_rows_ms'] * 1e3:.1f} | "
               f"{r['eager_ms'] * 1e3:.0f} | "

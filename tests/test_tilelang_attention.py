@@ -1,16 +1,20 @@
 """Sparse attention kernels (tilelang_kernels/attention.py) against the torch references.
 
 CPU tests run the C-target builds (one build per variant and process); `gpu` tests run the CUDA
-build on an H200-class device and compare with the references computed on the same device.  Inputs
-are fresh random every run (the seed is in each failure message): random lists with -1 entries,
-duplicates, an all -1 query, a list width that is not a multiple of 64, and packed rows made by the
-quantisers.
+builds on an H200-class device and compare with the references computed on the same device, both
+with each query's list split over several CTAs (decode, small batches) and walked by one CTA
+(prefill, large batches).  Inputs are fresh random every run (the seed is in each failure
+message): random lists with -1 entries, entries past the rows, duplicates, an all -1 query, list
+widths that are not a multiple of 64 or of the split, and packed rows made by the quantisers.
 
 Bounds.  Kernel and reference compute the same formula; they differ in the summation order of the
 fp32 dot products and sums and in expf vs torch's exp (a few fp32 ulps).  fp32: the sums over K
 entries and d products then agree to (K + d |l|max) * 2^-24 relative to the values' scale (x4).
 bf16: such a difference can move the bf16 rounding of one probability by one ulp (2^-8 of p, so
-at most 2^-8 max|v| over the whole sum) and the bf16 rounding of o by one ulp (2^-8 |o|).
+at most 2^-8 max|v| over the whole sum) and the bf16 rounding of o by one ulp (2^-8 |o|).  A split
+list rounds p against its split's running max: a different rounding of the same size (the kernel
+module's docstring; in an emulation at the released shapes it moved o by at most one bf16 ulp,
+a third of this bound).
 """
 
 import secrets
@@ -280,10 +284,12 @@ def test_lower_sparse_attn_whole_model(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", A.KINDS)
-def test_cuda_build_lowers_for_sm90a(kind, tmp_path):
-    """Without a GPU: the CUDA build at the released dims lowers for sm_90a to wgmma code, and where
-    nvcc is found (PATH, or CUDA_HOME/bin) it compiles to a cubin without register spills."""
+@pytest.mark.parametrize("split", [False, True], ids=["direct", "split"])
+@pytest.mark.parametrize("kind", [*A.KINDS, "combine"])
+def test_cuda_build_lowers_for_sm90a(kind, split, tmp_path):
+    """Without a GPU: each CUDA build at the released dims (whole-list and split; the combine once)
+    lowers for sm_90a (wgmma GEMMs, cp.async gathers), and where nvcc is found (PATH, or
+    CUDA_HOME/bin) it compiles to a cubin without register spills."""
     import os
     import re
     import shutil
@@ -293,10 +299,15 @@ def test_cuda_build_lowers_for_sm90a(kind, tmp_path):
     import tvm
     from tilelang.engine import lower
 
+    if kind == "combine" and split:
+        pytest.skip("one combine build")
     target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+    fn = (A.combine_prim_func(64, 512) if kind == "combine"
+          else A.attention_prim_func(kind, "bfloat16", 64, 512, 512**-0.5, "cuda", split))
     with target:
-        source = lower(A.attention_prim_func(kind, "bfloat16", 64, 512, 512**-0.5, "cuda"), target=target).kernel_source
-    assert "wgmma" in source
+        source = lower(fn, target=target).kernel_source
+    if kind != "combine":
+        assert "wgmma" in source and "cp_async_gs<16>" in source
     cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
     nvcc = shutil.which("nvcc") or (cuda_home and shutil.which("nvcc", path=os.path.join(cuda_home, "bin")))
     if not nvcc:
@@ -310,12 +321,43 @@ def test_cuda_build_lowers_for_sm90a(kind, tmp_path):
     assert re.search(r"\b0 bytes spill stores", out.stderr), out.stderr[-2000:]
 
 
+def test_num_splits():
+    """The split plan: no split once the query-head groups fill the SMs; otherwise one wave of CTAs,
+    each with the fewest blocks, and no split left empty by the kernel's ceil(blocks / NS) runs."""
+    assert A.num_splits(1, 10, 132) == 10
+    assert A.num_splits(32, 10, 132) == 4  # 3 + 3 + 3 + 1 blocks, 128 CTAs
+    assert A.num_splits(20, 10, 132) == 5
+    assert A.num_splits(132, 10, 132) == 1 and A.num_splits(192, 4, 132) == 1 and A.num_splits(5, 1, 132) == 1
+    for sms in (1, 7, 132):
+        for ctas in range(1, 2 * sms + 2):
+            for blocks in range(1, 41):
+                ns = A.num_splits(ctas, blocks, sms)
+                per = -(-blocks // ns)
+                assert 1 <= ns <= blocks and (ns == 1 or ctas * ns <= sms), (ctas, blocks, sms, ns)
+                assert (ns - 1) * per < blocks, (ctas, blocks, sms, ns)
+
+
 # ------------------------------------------------------------------------------------- GPU
+
+def splits_of(b, s, h, k):
+    """CTAs per query the CUDA call at these shapes uses (1: the whole list in one CTA)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return A.num_splits(b * s * -(-h // 64), -(-k // A.BLOCK), sms)
+
+
+def past_the_rows(idx, n_rows, g):
+    """idx with about 1/20 of its entries moved past the rows (the kernels ignore them like -1), and
+    the list the references get (those entries -1)."""
+    far = torch.rand(idx.shape, generator=g) < 0.05
+    idx = torch.where(far.to(idx.device), n_rows + 7, idx)
+    return idx, torch.where(idx < n_rows, idx, -1)
+
 
 def decode_inputs(b, h, d, n_c, g, window=128, topk=512):
     """One decode query per sequence over an FP8 ring of `window` slots and n_c FP4 compressed rows:
     the ring list oldest first with the unfilled slots -1 for sequence 0, then topk ascending
-    compressed entries (offset by the window) with a few -1 (spec §6.3, §6.5)."""
+    compressed entries (offset by the window) with a few -1 (spec §6.3, §6.5).  With b > 1 the last
+    sequence's list is all -1 (its output must be 0)."""
     q, ring, ring_scales, codes, cscales, sink, _ = packed_inputs(b, 1, h, d, window, n_c, 1, torch.bfloat16,
                                                                   True, g)
     slots = torch.arange(window).repeat(b, 1)
@@ -323,49 +365,67 @@ def decode_inputs(b, h, d, n_c, g, window=128, topk=512):
     top = torch.rand(b, n_c, generator=g).topk(topk, dim=-1).indices.sort(dim=-1).values + window
     top = torch.where(torch.rand(b, topk, generator=g) < 0.05, -1, top)
     idx = torch.cat([slots, top], dim=-1).int().unsqueeze(1)
+    if b > 1:
+        idx[-1] = -1
     return tuple(t.cuda() for t in (q, ring, ring_scales, codes, cscales, sink, idx))
 
 
-@pytest.mark.parametrize("batch", [1, 32])
+@pytest.mark.parametrize("batch,topk", [(1, 512), (32, 512), (20, 472), (7, 72), (140, 512)],
+                         ids=["b1", "b32", "b20-ragged", "b7-short", "b140-whole"])
 @pytest.mark.gpu
 @needs_cuda
-def test_sparse_attn_packed_released_dims_gpu(batch):
-    """Decode at the released dims: H=64, d=512, K = 128 window + 512 top-k."""
+def test_sparse_attn_packed_released_dims_gpu(batch, topk):
+    """Decode at the released dims: H=64, d=512, K = 128 window + top-k entries.  b1 and b32 are the
+    benchmark's cases (10 splits of 1 block; 4 splits of 3, 3, 3, 1 blocks); b20 and b7 end the list
+    inside a block (5 splits of 2 blocks; 4 of 1); b140 fills the SMs without a split.  Some entries
+    point past the rows; the last sequence has no valid entry."""
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
-    h, d = 64, 512
-    args = decode_inputs(batch, h, d, 4096, g)
+    h, d, n_c = 64, 512, 4096
+    k = 128 + topk
+    assert (splits_of(batch, 1, h, k) > 1) == (batch < 132), "the case exercises the intended path"
+    q, ring, ring_scales, codes, cscales, sink, idx = decode_inputs(batch, h, d, n_c, g, topk=topk)
+    idx, idx_ref = past_the_rows(idx, 128 + n_c, g)
     scale = d**-0.5
-    out = A.sparse_attn_packed(*args, scale)
-    ref = A.sparse_attn_packed_ref(*args, scale)
-    check(out, ref, decoded_rows(*args[1:5], torch.bfloat16), args[0], 640, scale, seed, empty_first=False)
-    rows = decoded_rows(*args[1:5], torch.bfloat16)
-    plain = A.sparse_attn(args[0], rows, args[5], args[6], scale)
+    out = A.sparse_attn_packed(q, ring, ring_scales, codes, cscales, sink, idx, scale)
+    ref = A.sparse_attn_packed_ref(q, ring, ring_scales, codes, cscales, sink, idx_ref, scale)
+    rows = decoded_rows(ring, ring_scales, codes, cscales, torch.bfloat16)
+    check(out, ref, rows, q, k, scale, seed, empty_first=False)
+    assert batch == 1 or (out[-1] == 0).all(), f"seed {seed}: a query with no valid entry must return 0"
+    plain = A.sparse_attn(q, rows, sink, idx, scale)
     assert torch.equal(plain, out), f"seed {seed}: the plain and packed kernels read the same rows"
 
 
+@pytest.mark.parametrize("s", [96, 3], ids=["whole", "split"])
 @pytest.mark.gpu
 @needs_cuda
-def test_sparse_attn_packed_prefill_gpu():
-    """A prefill chunk: fresh bf16 window rows and FP4 compressed rows, many queries, H=64, d=512."""
+def test_sparse_attn_packed_prefill_gpu(s):
+    """A prefill chunk: fresh bf16 window rows and FP4 compressed rows, H=64, d=512; 2 x 96 queries
+    fill the SMs (one CTA per query), 1 x 3 queries split their 200-entry lists (4 blocks)."""
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
-    b, s, h, d, n_w, n_c, k = 2, 96, 64, 512, 96, 300, 200
-    args = tuple(None if t is None else t.cuda() for t in packed_inputs(b, s, h, d, n_w, n_c, k, torch.bfloat16, False, g))
+    b, h, d, n_w, n_c, k = 2 if s > 3 else 1, 64, 512, 96, 300, 200
+    assert (splits_of(b, s, h, k) > 1) == (s == 3)
+    inputs = packed_inputs(b, s, h, d, n_w, n_c, k, torch.bfloat16, False, g)
+    q, window, _, codes, cscales, sink, idx = (None if t is None else t.cuda() for t in inputs)
+    idx, idx_ref = past_the_rows(idx, n_w + n_c, g)
     scale = d**-0.5
-    out = A.sparse_attn_packed(*args, scale)
-    check(out, A.sparse_attn_packed_ref(*args, scale), decoded_rows(*args[1:5], torch.bfloat16), args[0], k,
-          scale, seed)
+    out = A.sparse_attn_packed(q, window, None, codes, cscales, sink, idx, scale)
+    ref = A.sparse_attn_packed_ref(q, window, None, codes, cscales, sink, idx_ref, scale)
+    check(out, ref, decoded_rows(window, None, codes, cscales, torch.bfloat16), q, k, scale, seed)
 
 
+@pytest.mark.parametrize("s", [5, 40])
 @pytest.mark.parametrize("h,d", [(4, 128), (72, 64)])
 @pytest.mark.gpu
 @needs_cuda
-def test_sparse_attn_small_heads_gpu(h, d):
-    """Head counts that are not a multiple of the CTA's 64 heads (padded GEMM rows)."""
+def test_sparse_attn_small_heads_gpu(h, d, s):
+    """Head counts that are not a multiple of the CTA's 64 heads (padded GEMM rows), with the lists
+    split over CTAs (5 queries; 40 queries of 4 heads) or not (2 x 40 queries x 2 head groups fill
+    the SMs)."""
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
-    b, s, n, k = 2, 5, 150, 140
+    b, n, k = 2, 150, 140
     q = torch.randn(b, s, h, d, generator=g).bfloat16().cuda()
     kv = (torch.randn(b, n, d, generator=g) * 2).bfloat16().cuda()
     sink, idx = torch.randn(h, generator=g).cuda(), make_idx(b, s, k, n, g, "cuda")
@@ -382,3 +442,7 @@ def test_opcheck_gpu():
     torch.library.opcheck(torch.ops.dsv41c.sparse_attn_packed.default, (*args, 512**-0.5))
     with pytest.raises(ValueError, match="bf16"):
         A.sparse_attn(args[0].float(), torch.randn(2, 10, 512, device="cuda"), args[5], args[6], 0.125)
+    q64 = args[0][..., :64].contiguous()
+    with pytest.raises(ValueError, match="multiple of 128"):
+        A.sparse_attn_packed(q64, args[1][..., :64].contiguous(), args[2][..., :2].contiguous(),
+                             args[3][..., :32].contiguous(), args[4][..., :4].contiguous(), args[5], args[6], 0.125)

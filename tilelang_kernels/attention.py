@@ -21,7 +21,21 @@ fp32 rounding); o = acc / (sum + exp(sink - m)) in q's dtype.  A query with no v
 Dequantised FP8 and FP4 values are exact in bf16 and fp32, so packed rows enter the products as the
 same numbers the reference gathers.  Differences from the reference: the dot products' summation
 order and expf vs torch's exp (fp32 rounding), which can move a bf16 rounding of p or of o by one
-ulp; the tests bound that.
+ulp; and, on CUDA when the list is split over CTAs (below), the max p is rounded against.
+
+The split's rounding.  The reference rounds p_i = exp(l_i - m_k), m_k the running max over blocks
+0..k; a split starts its running max at its first block, so it rounds p'_i = exp(l_i - m'_k),
+m'_k <= m_k, and the combine rescales by exp(m'_k - M) (M, the final max, is the same).  In exact
+arithmetic both give w_i (1 + d_i) v_i, w_i = exp(l_i - M), with a bf16 relative rounding error
+|d_i| <= 2^-8: the split changes which rounding error a term gets, not its size, so the kernel
+keeps the reference's distance to the exact softmax (DESIGN.md's bf16-vs-fp32 comparison),
+|o - o_exact| <= 2^-8 sum_i w_i |v_i| / den <= 2^-8 max|v|; the sums (fp32 p) are unchanged.
+Against the reference the worst case doubles, but the errors are independent and mostly cancel:
+a torch emulation of the split at the released decode shapes (4 and 10 splits, 6 seeds x 1M
+outputs) moved o by at most one bf16 ulp, a third of the tests' tolerance 2^-8 (|o| + max|v|)
+(one ulp, <= 2^-7 |o|, is within it since |o| <= max|v|).  A block whose running max is reached
+inside its split (m'_k = m_k), every block of the first split, and every whole-list call round p
+exactly as the reference does.
 
 CPU (C target): one program per query token (grid S x B); per block of 64 entries the listed rows
 are gathered (dequantised) into an fp32 local tile [64, d], then every head computes its logits,
@@ -29,20 +43,30 @@ updates its running max/sum and accumulates p . rows into acc [H, d] (fp32, loca
 as uint16 bits.  One build per (kind, dtype, H, d, scale, target); B, S, K and the row counts are
 dynamic.
 
-CUDA (sm_90a, wgmma through T.gemm): grid (S, B, H / HB); a CTA of 256 threads (two warpgroups)
-owns HB heads of one query token.  q [HB, d] sits in shared memory as bf16.  Per block of 64 list
-entries the CTA puts the 64 row numbers into shared memory (loaded during the previous block's
-GEMMs), then gathers the rows into shared memory as bf16 [64, d]: each thread first issues all its
-loads (16 items of 8 values: 16 B of bf16, 8 B of FP8 codes or 4 B of packed E2M1, plus the scale
-byte), then decodes them (each item becomes one 16-byte bf16 vector) and stores them, so the
-gather costs one memory latency (two rounds of 8 items for bf16 window rows with FP4 rows, whose
-registers would not fit beside the accumulator).  Then S = q K^T [HB, 64] (fp32 accumulation)
-and acc += bf16(p) V [HB, d] on the tensor cores.  KV is shared by all heads (MQA), so one
-gathered tile serves every head of the CTA.  HB = 64 heads is one wgmma M (fewer heads: zero
-rows, not stored); the fp32 accumulator [64, 512] is 128 registers per thread; 141 KB of shared
-memory, one CTA per SM.  The list is walked in order by one CTA, which keeps the reference's
-rounding of p exactly (a split of the list over CTAs would round p against a partial running
-max).  Only bf16 runs on CUDA (the tensor cores take bf16 operands; an fp32 call raises).
+CUDA (sm_90a, wgmma through T.gemm; bf16 only: the tensor cores take bf16 operands and an fp32 call
+raises).  A CTA of 256 threads (two warpgroups) owns HB = 64 heads (one wgmma M; fewer heads: zero
+rows, not stored) of one query token and walks a run of blocks of its list; KV is shared by all
+heads (MQA), so one gathered tile serves every head.  Per block:
+  - the block's 64 row numbers sit in shared memory (two slots by parity; the next block's list
+    entries are loaded one block ahead);
+  - cp.async copies the listed rows as stored (1 KB of bf16, 512 B of FP8 codes + 16 scale bytes,
+    or 256 B of E2M1 codes + 32 scale bytes) into a shared stage, 16-byte chunks;
+    block i+1's copies are issued before block i's GEMMs, so the gather of the next block overlaps
+    the current block's compute (and the first block's overlaps the load of q);
+  - the stage is decoded into KVs [64, d] bf16 (each thread: 16 items of 8 values, one 16-byte
+    store each; E2M1 through a table of its 16 values; rows -1 or past the row count: zeros);
+  - S = q K^T [64, 64] (fp32 accumulation), the online softmax, acc += bf16(p) V [64, d].
+The fp32 accumulator [64, 512] is 128 of a thread's ~200 registers; shared memory q 64 KB + KVs
+64 KB + the stage (33 KB for the FP8 ring, 66 KB for bf16 rows) + p 8 KB: 173-205 KB, one CTA per SM.
+Grid: when the query-head groups (B*S*ceil(H/64)) fill the SMs (prefill, large batches), one CTA
+per group walks the whole list and writes o (the reference's rounding of p exactly).  Otherwise
+(decode) the list is split (flash decoding): NS CTAs per group, `num_splits` picking the fewest
+blocks per CTA that keep all CTAs in one wave (H200, H=64, K=640: batch 1 -> 10 CTAs of 1 block,
+batch 32 -> 4 CTAs of 3, 3, 3, 1 blocks), each writing its unnormalised acc [H, d], running max and
+sum in fp32; a second kernel merges them: M = max_j m_j, o = sum_j acc_j e^(m_j - M) /
+(sum_j l_j e^(m_j - M) + e^(sink - M)).  The split depends on the batch, so a sequence's output may
+differ by the rounding above between batch sizes.  The packed builds need d a multiple of 128 (a
+window row's scales must fill a 4-byte cp.async).
 """
 
 import functools
@@ -56,16 +80,13 @@ from dsv41c.attention import sparse_attn as sparse_attn_ref
 from dsv41c.tilelang_kernels.quant import (_bits, _e2m1_value, _e4m3_value, _e8m0_value, _store, compile_for,
                                             define_op, kernel_target)
 
-__all__ = ["BLOCK", "KINDS", "build", "attention_prim_func", "sparse_attn", "sparse_attn_packed",
-           "sparse_attn_packed_ref", "sparse_attn_ref"]
+__all__ = ["BLOCK", "KINDS", "attention_prim_func", "build", "combine_prim_func", "num_splits", "sparse_attn",
+           "sparse_attn_packed", "sparse_attn_packed_ref", "sparse_attn_ref"]
 
 BLOCK = 64  # list entries per online-softmax step (§6.8)
 KINDS = ("plain", "packed_rows", "packed_fp8")  # kv rows; packed with a plain window; packed with an FP8 ring
 _CUDA_THREADS = 256
 _CUDA_HEADS = 64  # heads per CTA (one wgmma M)
-# CUDA: rounds of loads per gathered block; one round keeps 16 items of raw bytes in registers, which
-# fits beside the accumulator except for bf16 window rows plus FP4 rows (that build spills at d=512)
-_GATHER_GROUPS = {"plain": 1, "packed_rows": 2, "packed_fp8": 1}
 _NEG_BIG = -1e30
 
 
@@ -240,103 +261,145 @@ def _cpu_prim_func(kind, dtype, H, d, scale):
 
 # ------------------------------------------------------------------------------------- CUDA
 
-def _cuda_prim_func(kind, H, d, scale):
-    """bf16 only (module docstring): grid (S, B, H/HB), 256 threads, HB heads of one query token."""
+def _cuda_prim_func(kind, H, d, scale, split):
+    """bf16 only (module docstring): CTAs of 256 threads, each HB heads of one query token.
+    split False: grid (S, B, HG), a CTA walks the whole list and writes o.  split True: grid
+    (NS, S, B*HG), CTA j walks the j-th run of ceil(blocks / NS) blocks and writes its partial
+    (acc, running max, sum) for `_combine_prim_func`."""
     D = _dims()
-    B, S, K, N, NC = D["B"], D["S"], D["K"], D["N"], D["NC"]
+    B, S, K, N, NC, NS = D["B"], D["S"], D["K"], D["N"], D["NC"], T.dynamic("NS")
     HB, threads = _CUDA_HEADS, _CUDA_THREADS
+    HG = -(-H // HB)
     rows_total = N if kind == "plain" else N + NC
-    vec = 8  # values per gather item: 16 B of bf16 in shared memory
+    vec = 8  # values per decoded item: 16 B of bf16 in shared memory
     per_row = d // vec
-    items = BLOCK * per_row // threads  # gather items per thread and block
-    assert d % 64 == 0 and BLOCK * per_row % threads == 0
-    bf = "bfloat16"
+    items = BLOCK * per_row // threads  # decoded items per thread and block
+    assert d % 64 == 0 and (kind == "plain" or d % 128 == 0)
+    bf, f32 = "bfloat16", "float32"
+    # The stage holds a block's listed rows as stored: a row of the window's format (bf16, or FP8
+    # codes) or packed E2M1 codes at the start of the row; stage_s their scale bytes.  Copied in
+    # chunks of 16 B (codes) and sc B (scales: the largest cp.async size dividing a window row's d/32).
+    stage_t = "uint8" if kind == "packed_fp8" else bf
+    ce = 16 if kind == "packed_fp8" else 8  # stage elements per 16 B
+    cpr = d // ce  # 16-byte chunks in a window row
+    sc = next(n for n in (16, 8, 4) if (d // 32) % n == 0) if kind != "plain" else 0
+    spr = d // 16 // sc if sc else 0  # scale chunks in a compressed row (a window row: half)
 
-    groups = _GATHER_GROUPS[kind]
-    ig = items // groups  # loads a thread has in flight before it uses any of them
+    def cp_async(n, dst, src):
+        # an extern call: TileLang's own T.ptx_cp_async makes its sync pass put a __syncthreads
+        # around every copy; the waits and barriers here are explicit (attend)
+        return T.call_extern("handle", f"tl::cp_async_gs<{n}>", T.address_of(dst), T.address_of(src))
 
     @T.macro
-    def gather(R, KVs, rowS, rb, ru, sb, vl, bb, tx):
-        """The rows named in rowS (-1: none) into KVs [BLOCK, d] as bf16 (zeros for none), in
-        `groups` rounds: first every load of the round (raw bytes into registers), then the
-        decoding and the shared-memory stores, so a round costs one memory latency."""
-        for grp in T.unroll(groups):
-            for u in T.unroll(ig):
-                r = ((grp * ig + u) * threads + tx) // per_row
-                c0 = ((grp * ig + u) * threads + tx) % per_row * vec
-                if rowS[r] >= 0:
-                    if kind == "plain":
-                        for j in T.vectorized(vec):
-                            rb[u, j] = R["KV"][bb, rowS[r], c0 + j]
-                    else:
-                        if rowS[r] < N:
-                            if kind == "packed_rows":
-                                for j in T.vectorized(vec):
-                                    rb[u, j] = R["W"][bb, rowS[r], c0 + j]
-                            else:
-                                for j in T.vectorized(vec):
-                                    ru[u, j] = R["W"][bb, rowS[r], c0 + j]
-                                sb[u] = R["WS"][bb, rowS[r], c0 // 32]
-                        else:
-                            for j in T.vectorized(vec // 2):
-                                ru[u, j] = R["CC"][bb, rowS[r] - N, c0 // 2 + j]
-                            sb[u] = R["CS"][bb, rowS[r] - N, c0 // 16]
-            for u in T.unroll(ig):
-                r = ((grp * ig + u) * threads + tx) // per_row
-                c0 = ((grp * ig + u) * threads + tx) % per_row * vec
-                if rowS[r] < 0:
-                    for j in T.vectorized(vec):
-                        KVs[r, c0 + j] = T.Cast(bf, 0)
+    def issue(R, stage, stage_s, rowS, buf, bb, tx):
+        """cp.async of the rows named in rowS[buf] into the stage, one commit group; -1: none copied."""
+        for u in T.unroll(BLOCK * cpr // threads):
+            r = (u * threads + tx) // cpr
+            p = (u * threads + tx) % cpr
+            if rowS[buf, r] >= 0:
+                if kind == "plain":
+                    cp_async(16, stage[r, p * ce], R["KV"][bb, rowS[buf, r], p * ce])
                 else:
-                    if kind == "plain":
-                        for j in T.vectorized(vec):
-                            KVs[r, c0 + j] = rb[u, j]
-                    else:
-                        if rowS[r] < N:
-                            if kind == "packed_rows":
-                                for j in T.vectorized(vec):
-                                    KVs[r, c0 + j] = rb[u, j]
-                            else:
-                                for j in T.unroll(vec):
-                                    vl[j] = T.Cast(bf, T.Cast("float32", T.reinterpret(ru[u, j], "float8_e4m3fn"))
-                                                   * _e8m0_value(T.Cast("uint32", sb[u])))
-                                for j in T.vectorized(vec):
-                                    KVs[r, c0 + j] = vl[j]
-                        else:
-                            for j in T.unroll(vec // 2):
-                                vl[2 * j] = T.Cast(bf, _e2m1_value(T.Cast("uint32", ru[u, j]) & T.uint32(0xF))
-                                                   * _e4m3_value(T.Cast("uint32", sb[u])))
-                                vl[2 * j + 1] = T.Cast(bf, _e2m1_value(T.Cast("uint32", ru[u, j]) >> T.uint32(4))
-                                                       * _e4m3_value(T.Cast("uint32", sb[u])))
-                            for j in T.vectorized(vec):
-                                KVs[r, c0 + j] = vl[j]
+                    if rowS[buf, r] < N:
+                        cp_async(16, stage[r, p * ce], R["W"][bb, rowS[buf, r], p * ce])
+                    elif p < d // 32:  # a compressed row: d/2 bytes
+                        cp_async(16, stage[r, p * ce], R["CC"][bb, rowS[buf, r] - N, p * 16])
+        if kind != "plain":
+            for u in T.unroll(-(-BLOCK * spr // threads)):
+                r = (u * threads + tx) // spr
+                p = (u * threads + tx) % spr
+                if u * threads + tx < BLOCK * spr:  # (nested: r is a row only then)
+                    if rowS[buf, r] >= N:
+                        cp_async(sc, stage_s[r, p * sc], R["CS"][bb, rowS[buf, r] - N, p * sc])
+                    elif kind == "packed_fp8" and rowS[buf, r] >= 0:  # a window row: d/32 scale bytes
+                        if p < spr // 2:
+                            cp_async(sc, stage_s[r, p * sc], R["WS"][bb, rowS[buf, r], p * sc])
+        T.ptx_commit_group()
+
+    @T.macro
+    def decode(stage, stage_s, rowS, buf, KVs, lut, cb, vl, bb, tx):
+        """The staged rows named in rowS[buf] into KVs [BLOCK, d] as bf16 (zeros for -1): each item
+        (8 values) is read from the stage and scales, decoded and stored as one 16-byte vector."""
+        for u in T.unroll(items):
+            r = (u * threads + tx) // per_row
+            c0 = (u * threads + tx) % per_row * vec
+            if rowS[buf, r] < 0:
+                for j in T.vectorized(vec):
+                    KVs[r, c0 + j] = T.Cast(bf, 0)
+            elif kind == "plain":
+                for j in T.vectorized(vec):
+                    KVs[r, c0 + j] = stage[r, c0 + j]
+            elif rowS[buf, r] < N:
+                if kind == "packed_rows":
+                    for j in T.vectorized(vec):
+                        KVs[r, c0 + j] = stage[r, c0 + j]
+                else:
+                    for j in T.vectorized(vec):
+                        cb[j] = stage[r, c0 + j]
+                    for j in T.unroll(vec):
+                        vl[j] = T.Cast(bf, T.Cast(f32, T.reinterpret(cb[j], "float8_e4m3fn"))
+                                       * _e8m0_value(T.Cast("uint32", stage_s[r, c0 // 32])))
+                    for j in T.vectorized(vec):
+                        KVs[r, c0 + j] = vl[j]
+            else:  # packed E2M1 codes: values c0..c0+7 are bytes c0/2..c0/2+3 of the stage row
+                if kind == "packed_fp8":
+                    for j in T.vectorized(vec // 2):
+                        cb[j] = stage[r, c0 // 2 + j]
+                else:
+                    for j in T.unroll(vec // 2):
+                        cb[j] = T.Cast("uint8", T.reinterpret(stage[r, c0 // 4 + j // 2], "uint16")
+                                       >> T.uint16(8 * (j % 2)))
+                scale_v = _e4m3_value(T.Cast("uint32", stage_s[r, c0 // 16]))
+                for j in T.unroll(vec // 2):
+                    vl[2 * j] = T.Cast(bf, lut[cb[j] & T.uint8(0xF)] * scale_v)
+                    vl[2 * j + 1] = T.Cast(bf, lut[cb[j] >> T.uint8(4)] * scale_v)
+                for j in T.vectorized(vec):
+                    KVs[r, c0 + j] = vl[j]
 
     @T.macro
     def next_row(R, nxt, bb, bs, blk, tx):
-        """nxt[0] = list entry tx of block blk, -1 past the list (not used before the next block)."""
+        """nxt[0] = list entry tx of block blk, -1 past the list."""
         nxt[0] = -1
         if blk * BLOCK + tx < K:
             nxt[0] = R["IDX"][bb, bs, blk * BLOCK + tx]
 
     @T.macro
-    def attend(R, bs, bb, bh):
+    def attend(R, bj, bs, bb, bh):
+        """Heads bh*HB.. of query (bb, bs) over blocks blk0 .. blk0+nb-1 of its list: split j of NS
+        (split), or the whole list.  Block i's rows are copied (cp.async) into the stage while block
+        i-1 is computed, then decoded into KVs; rowS holds the row numbers of blocks i and i+1."""
         tx = T.get_thread_binding()
         Qs = T.alloc_shared((HB, d), bf)
         KVs = T.alloc_shared((BLOCK, d), bf)
         Ps = T.alloc_shared((HB, BLOCK), bf)
-        rowS = T.alloc_shared((BLOCK,), "int32")  # the block's rows, -1 for none
-        Sf = T.alloc_fragment((HB, BLOCK), "float32")
-        acc = T.alloc_fragment((HB, d), "float32")
-        mrun = T.alloc_fragment((HB,), "float32")
-        mnew = T.alloc_fragment((HB,), "float32")
-        alpha = T.alloc_fragment((HB,), "float32")
-        den = T.alloc_fragment((HB,), "float32")
-        psum = T.alloc_fragment((HB,), "float32")
-        rb = T.alloc_local((ig, vec), bf)  # loaded bf16 rows
-        ru = T.alloc_local((ig, vec), "uint8")  # loaded codes
-        sb = T.alloc_local((ig,), "uint8")  # loaded scale bytes
+        stage = T.alloc_shared((BLOCK, d), stage_t)
+        stage_s = T.alloc_shared((BLOCK, d // 16), "uint8")
+        rowS = T.alloc_shared((2, BLOCK), "int32")  # rows of blocks i, i+1 (by parity), -1 for none
+        # the 16 E2M1 values: a table look-up (conflict-free: one word per bank) costs fewer
+        # instructions than decoding the bits, and the decode competes with nothing else for them
+        lut = T.alloc_shared((16,), f32)
+        Sf = T.alloc_fragment((HB, BLOCK), f32)
+        acc = T.alloc_fragment((HB, d), f32)
+        mrun = T.alloc_fragment((HB,), f32)
+        mnew = T.alloc_fragment((HB,), f32)
+        alpha = T.alloc_fragment((HB,), f32)
+        den = T.alloc_fragment((HB,), f32)
+        psum = T.alloc_fragment((HB,), f32)
+        cb = T.alloc_local((vec,), "uint8")  # one item's codes
         vl = T.alloc_local((vec,), bf)
         nxt = T.alloc_local((1,), "int32")
+        blk0 = bj * T.ceildiv(T.ceildiv(K, BLOCK), NS) if split else 0
+        nb = T.max(T.min(T.ceildiv(T.ceildiv(K, BLOCK), NS), T.ceildiv(K, BLOCK) - blk0), 0) if split \
+            else T.ceildiv(K, BLOCK)
+        if tx < BLOCK:
+            next_row(R, nxt, bb, bs, blk0, tx)
+            rowS[0, tx] = T.Select(nxt[0] < rows_total, nxt[0], -1)
+            next_row(R, nxt, bb, bs, blk0 + 1, tx)
+        if tx < 16:
+            lut[tx] = _e2m1_value(T.Cast("uint32", tx))
+        T.sync_threads()
+        if nb > 0:  # the first block's copies run while q is loaded
+            issue(R, stage, stage_s, rowS, 0, bb, tx)
         if H % HB == 0:
             T.copy(R["Q"][bb, bs, bh * HB:(bh + 1) * HB, :], Qs)
         else:  # the last CTA's missing heads are zero rows of the GEMM, never stored
@@ -350,25 +413,25 @@ def _cuda_prim_func(kind, H, d, scale):
         T.fill(acc, 0)
         T.fill(den, 0)
         T.fill(mrun, _f32_const(_NEG_BIG))
-        if tx < BLOCK:
-            next_row(R, nxt, bb, bs, 0, tx)
-        for blk in T.serial(T.ceildiv(K, BLOCK)):
-            if tx < BLOCK:
-                rowS[tx] = T.Select(nxt[0] < rows_total, nxt[0], -1)
-            T.sync_threads()
-            gather(R, KVs, rowS, rb, ru, sb, vl, bb, tx)
-            if tx < BLOCK:  # the next block's list entry, in flight during this block's GEMMs
-                next_row(R, nxt, bb, bs, blk + 1, tx)
-            T.sync_threads()
+        for i in T.serial(nb):
+            T.ptx_wait_group(0)
+            T.sync_threads()  # block i staged (every thread's copies); the previous GEMMs done with KVs
+            decode(stage, stage_s, rowS, i % 2, KVs, lut, cb, vl, bb, tx)
+            if tx < BLOCK:  # rowS[(i+1) % 2] was last read by block i-1's masks
+                rowS[(i + 1) % 2, tx] = T.Select(nxt[0] < rows_total, nxt[0], -1)
+                next_row(R, nxt, bb, bs, blk0 + i + 2, tx)
+            T.sync_threads()  # KVs and rowS ready, the stage free
+            if i + 1 < nb:  # block i+1's copies, in flight during block i's GEMMs
+                issue(R, stage, stage_s, rowS, (i + 1) % 2, bb, tx)
             T.gemm(Qs, KVs, Sf, transpose_B=True, clear_accum=True)
-            for h, i in T.Parallel(HB, BLOCK):
-                Sf[h, i] = T.if_then_else(rowS[i] >= 0, Sf[h, i] * _f32_const(scale), -T.infinity("float32"))
+            for h, e in T.Parallel(HB, BLOCK):
+                Sf[h, e] = T.if_then_else(rowS[i % 2, e] >= 0, Sf[h, e] * _f32_const(scale), -T.infinity(f32))
             T.reduce_max(Sf, mnew, dim=1, clear=True)
             for h in T.Parallel(HB):
                 mnew[h] = T.max(mnew[h], mrun[h])
                 alpha[h] = T.exp(mrun[h] - mnew[h])
-            for h, i in T.Parallel(HB, BLOCK):
-                Sf[h, i] = T.if_then_else(rowS[i] >= 0, T.exp(Sf[h, i] - mnew[h]), T.float32(0))
+            for h, e in T.Parallel(HB, BLOCK):
+                Sf[h, e] = T.if_then_else(rowS[i % 2, e] >= 0, T.exp(Sf[h, e] - mnew[h]), T.float32(0))
             T.reduce_sum(Sf, psum, dim=1)
             for h in T.Parallel(HB):
                 den[h] = den[h] * alpha[h] + psum[h]
@@ -377,58 +440,163 @@ def _cuda_prim_func(kind, H, d, scale):
             for h, c in T.Parallel(HB, d):
                 acc[h, c] = acc[h, c] * alpha[h]
             T.gemm(Ps, KVs, acc)
-            T.sync_threads()
-        for h in T.Parallel(HB):
-            den[h] = den[h] + T.exp(R["SINK"][T.min(bh * HB + h, H - 1)] - mrun[h])
-        for h, c in T.Parallel(HB, d):
-            acc[h, c] = acc[h, c] / den[h]
-        if H % HB == 0:
-            T.copy(acc, R["O"][bb, bs, bh * HB:(bh + 1) * HB, :])
-        else:
-            for h, c in T.Parallel(HB, d):
+        if split:  # unnormalised: the combine rescales every split to the final max
+            for h in T.Parallel(HB):
                 if bh * HB + h < H:
-                    R["O"][bb, bs, bh * HB + h, c] = T.Cast(bf, acc[h, c])
+                    R["MP"][bb, bs, bj, bh * HB + h] = mrun[h]
+                    R["LP"][bb, bs, bj, bh * HB + h] = den[h]
+            if H % HB == 0:
+                T.copy(acc, R["OP"][bb, bs, bj, bh * HB:(bh + 1) * HB, :])
+            else:
+                for h, c in T.Parallel(HB, d):
+                    if bh * HB + h < H:
+                        R["OP"][bb, bs, bj, bh * HB + h, c] = acc[h, c]
+        else:
+            for h in T.Parallel(HB):
+                den[h] = den[h] + T.exp(R["SINK"][T.min(bh * HB + h, H - 1)] - mrun[h])
+            for h, c in T.Parallel(HB, d):
+                acc[h, c] = acc[h, c] / den[h]
+            if H % HB == 0:
+                T.copy(acc, R["O"][bb, bs, bh * HB:(bh + 1) * HB, :])
+            else:
+                for h, c in T.Parallel(HB, d):
+                    if bh * HB + h < H:
+                        R["O"][bb, bs, bh * HB + h, c] = T.Cast(bf, acc[h, c])
 
-    qt, ot = T.Tensor((B, S, H, d), bf), T.Tensor((B, S, H, d), bf)
-    st, it = T.Tensor((H,), "float32"), T.Tensor((B, S, K), "int32")
+    qt, st, it = T.Tensor((B, S, H, d), bf), T.Tensor((H,), f32), T.Tensor((B, S, K), "int32")
+    wt = T.Tensor((B, N, d), "uint8" if kind == "packed_fp8" else bf)
+    wst = T.Tensor((B, N, d // 32), "uint8")
     ct, cst = T.Tensor((B, NC, d // 2), "uint8"), T.Tensor((B, NC, d // 16), "uint8")
+    # outputs: o [B,S,H,d] bf16, or the partials: acc [B,S,NS,H,d] fp32 and max, sum [B,S,NS,H] fp32
+    # (one annotation object per parameter: two parameters given the same one become one buffer)
+    ot, opt = T.Tensor((B, S, H, d), bf), T.Tensor((B, S, NS, H, d), f32)
+    mpt, lpt = T.Tensor((B, S, NS, H), f32), T.Tensor((B, S, NS, H), f32)
 
-    if kind == "plain":
+    @T.macro
+    def run(R):
+        if split:
+            with T.Kernel(NS, S, B * HG, threads=threads) as (bj, bs, bz):
+                attend(R, bj, bs, bz // HG, bz % HG)
+        else:
+            with T.Kernel(S, B, HG, threads=threads) as (bs, bb, bh):
+                attend(R, 0, bs, bb, bh)
+
+    if kind == "plain" and split:
         @T.prim_func
-        def main(Q_: qt, KV: T.Tensor((B, N, d), bf), SINK: st, IDX: it, O: ot):
-            with T.Kernel(S, B, T.ceildiv(H, HB), threads=threads) as (bs, bb, bh):
-                attend({"Q": Q_, "KV": KV, "SINK": SINK, "IDX": IDX, "O": O}, bs, bb, bh)
+        def main(Q_: qt, KV: wt, IDX: it, OP: opt, MP: mpt, LP: lpt):
+            run({"Q": Q_, "KV": KV, "IDX": IDX, "OP": OP, "MP": MP, "LP": LP})
+    elif kind == "plain":
+        @T.prim_func
+        def main(Q_: qt, KV: wt, SINK: st, IDX: it, O: ot):
+            run({"Q": Q_, "KV": KV, "SINK": SINK, "IDX": IDX, "O": O})
+    elif kind == "packed_rows" and split:
+        @T.prim_func
+        def main(Q_: qt, W: wt, CC: ct, CS: cst, IDX: it, OP: opt, MP: mpt, LP: lpt):
+            run({"Q": Q_, "W": W, "CC": CC, "CS": CS, "IDX": IDX, "OP": OP, "MP": MP, "LP": LP})
     elif kind == "packed_rows":
         @T.prim_func
-        def main(Q_: qt, W: T.Tensor((B, N, d), bf), CC: ct, CS: cst, SINK: st, IDX: it, O: ot):
-            with T.Kernel(S, B, T.ceildiv(H, HB), threads=threads) as (bs, bb, bh):
-                attend({"Q": Q_, "W": W, "CC": CC, "CS": CS, "SINK": SINK, "IDX": IDX, "O": O},
-                       bs, bb, bh)
+        def main(Q_: qt, W: wt, CC: ct, CS: cst, SINK: st, IDX: it, O: ot):
+            run({"Q": Q_, "W": W, "CC": CC, "CS": CS, "SINK": SINK, "IDX": IDX, "O": O})
+    elif split:
+        @T.prim_func
+        def main(Q_: qt, W: wt, WS: wst, CC: ct, CS: cst, IDX: it, OP: opt, MP: mpt, LP: lpt):
+            run({"Q": Q_, "W": W, "WS": WS, "CC": CC, "CS": CS, "IDX": IDX, "OP": OP, "MP": MP, "LP": LP})
     else:
         @T.prim_func
-        def main(Q_: qt, W: T.Tensor((B, N, d), "uint8"), WS: T.Tensor((B, N, d // 32), "uint8"), CC: ct,
-                 CS: cst, SINK: st, IDX: it, O: ot):
-            with T.Kernel(S, B, T.ceildiv(H, HB), threads=threads) as (bs, bb, bh):
-                attend({"Q": Q_, "W": W, "WS": WS, "CC": CC, "CS": CS, "SINK": SINK, "IDX": IDX, "O": O}, bs, bb, bh)
+        def main(Q_: qt, W: wt, WS: wst, CC: ct, CS: cst, SINK: st, IDX: it, O: ot):
+            run({"Q": Q_, "W": W, "WS": WS, "CC": CC, "CS": CS, "SINK": SINK, "IDX": IDX, "O": O})
+    return main
+
+
+def _combine_prim_func(H, d):
+    """o = sum_j acc_j e^(m_j - M) / (sum_j l_j e^(m_j - M) + e^(sink - M)), M = max_j m_j, in bf16:
+    the splits' partials [B,S,NS,H,(d)] merged; grid (H, S, B), d/4 threads of 4 columns.  The
+    splits are read `unroll` at a time, so that many loads are in flight (NS is dynamic)."""
+    B, S, NS = T.dynamic("B"), T.dynamic("S"), T.dynamic("NS")
+    vec, unroll, f32 = 4, 4, "float32"
+
+    @T.prim_func
+    def main(OP: T.Tensor((B, S, NS, H, d), f32), MP: T.Tensor((B, S, NS, H), f32),
+             LP: T.Tensor((B, S, NS, H), f32), SINK: T.Tensor((H,), f32), O: T.Tensor((B, S, H, d), "bfloat16")):
+        with T.Kernel(H, S, B, threads=d // vec) as (h, bs, bb):
+            tx = T.get_thread_binding()
+            acc = T.alloc_local((vec,), f32)
+            part = T.alloc_local((unroll, vec), f32)
+            w = T.alloc_local((unroll,), f32)
+            ov = T.alloc_local((vec,), "bfloat16")
+            m = T.alloc_var(f32)
+            den = T.alloc_var(f32)
+            m = _f32_const(_NEG_BIG)
+            for j0 in T.serial(T.ceildiv(NS, unroll)):
+                for u in T.unroll(unroll):
+                    if j0 * unroll + u < NS:
+                        m = T.max(m, MP[bb, bs, j0 * unroll + u, h])
+            den = T.float32(0)
+            T.clear(acc)
+            for j0 in T.serial(T.ceildiv(NS, unroll)):
+                for u in T.unroll(unroll):
+                    w[u] = T.float32(0)
+                    if j0 * unroll + u < NS:
+                        w[u] = T.exp(MP[bb, bs, j0 * unroll + u, h] - m)
+                        den = den + LP[bb, bs, j0 * unroll + u, h] * w[u]
+                        for v in T.vectorized(vec):
+                            part[u, v] = OP[bb, bs, j0 * unroll + u, h, tx * vec + v]
+                for u in T.unroll(unroll):
+                    if j0 * unroll + u < NS:
+                        for v in T.unroll(vec):
+                            acc[v] = acc[v] + part[u, v] * w[u]
+            den = den + T.exp(SINK[h] - m)
+            for v in T.unroll(vec):
+                ov[v] = T.Cast("bfloat16", acc[v] / den)
+            for v in T.vectorized(vec):
+                O[bb, bs, h, tx * vec + v] = ov[v]
+
     return main
 
 
 # ------------------------------------------------------------------------------------- builds
 
-def attention_prim_func(kind: str, dtype: str, H: int, d: int, scale: float, target: str):
-    """The prim_func of one op variant: kind in KINDS, dtype "float32"/"bfloat16", target "c"/"cuda"."""
+def attention_prim_func(kind: str, dtype: str, H: int, d: int, scale: float, target: str, split: bool = False):
+    """The prim_func of one op variant: kind in KINDS, dtype "float32"/"bfloat16", target "c"/"cuda";
+    split (CUDA only): the kernel writing one split's partials, merged by `combine_prim_func`."""
     if kind not in KINDS or dtype not in ("float32", "bfloat16") or H < 1 or d < 1:
         raise ValueError(f"sparse_attn kernels: unknown kind/dtype/shape {kind!r}/{dtype!r}/H={H}/d={d}")
     if target == "c":
+        if split:
+            raise ValueError("sparse_attn kernels: the C build has no split variant")
         return _cpu_prim_func(kind, dtype, H, d, scale)
-    return _cuda_prim_func(kind, H, d, scale)
+    return _cuda_prim_func(kind, H, d, scale, split)
+
+
+def combine_prim_func(H: int, d: int):
+    """The CUDA kernel merging the splits' partials into o (bf16)."""
+    return _combine_prim_func(H, d)
 
 
 @functools.lru_cache(maxsize=None)
-def build(kind: str, dtype: str, H: int, d: int, scale: float, target: str):
-    """Compiled kernel, once per process per key; target "c" (CPU) or "cuda[:sm_XX]"."""
-    fn = attention_prim_func(kind, dtype, H, d, scale, "c" if target == "c" else "cuda")
+def build(kind: str, dtype: str, H: int, d: int, scale: float, target: str, split: bool = False):
+    """Compiled kernel, once per process per key; target "c" (CPU) or "cuda[:sm_XX]"; kind "combine"
+    is the merge of a split call (dtype and scale unused)."""
+    if kind == "combine":
+        return compile_for(combine_prim_func(H, d), target)
+    fn = attention_prim_func(kind, dtype, H, d, scale, "c" if target == "c" else "cuda", split)
     return compile_for(fn, target)
+
+
+def num_splits(ctas: int, blocks: int, sms: int) -> int:
+    """CTAs per query (NS) for a CUDA call of `ctas` = B*S*HG query-head groups over lists of `blocks`
+    blocks on `sms` SMs (one CTA per SM fits).  1 (no split, no partials) once the groups alone fill
+    the SMs; otherwise the fewest blocks per CTA that keep every CTA in one wave, since a CTA's
+    blocks run one after another and every split costs a partial [HB, d] fp32 write and read."""
+    if ctas >= sms or blocks <= 1:
+        return 1
+    per_cta = next(n for n in range(1, blocks + 1) if ctas * -(-blocks // n) <= sms)
+    return -(-blocks // per_cta)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 # ------------------------------------------------------------------------------------- torch.library ops
@@ -474,8 +642,19 @@ def _run(kind, q, srcs, sink, idx, scale):
         return out.zero_()
     target = kernel_target(q, "sparse_attn")
     b, s, h, d = q.shape
-    kernel = build(kind, _DTYPES[q.dtype], h, d, float(scale), target)
-    kernel(*(_arg(t, target) for t in (q, *srcs, sink, idx, out)))
+    kernel_key = (kind, _DTYPES[q.dtype], h, d, float(scale), target)
+    qa, *srcs = (_arg(t, target) for t in (q, *srcs))
+    sink, idx = _arg(sink, target), _arg(idx, target)
+    ns = 1
+    if target != "c":
+        ns = num_splits(b * s * -(-h // _CUDA_HEADS), -(-idx.shape[-1] // BLOCK), _sm_count(q.device.index))
+    if ns == 1:
+        build(*kernel_key)(qa, *srcs, sink, idx, _arg(out, target))
+        return out
+    acc = q.new_empty((b, s, ns, h, d), dtype=torch.float32)
+    m, l = (q.new_empty((b, s, ns, h), dtype=torch.float32) for _ in range(2))
+    build(*kernel_key, True)(qa, *srcs, idx, acc, m, l)
+    build("combine", "bfloat16", h, d, 0.0, target)(acc, m, l, sink, out)
     return out
 
 
@@ -498,6 +677,8 @@ def _sparse_attn_packed(q, window, window_scales, comp_codes, comp_scales, sink,
         _want(op, "window", window, torch.uint8, (b, None, d), q.device)
         _want(op, "window_scales", window_scales, torch.uint8, (b, n_w, d // 32), q.device)
         kind, srcs = "packed_fp8", (window, window_scales)
+    if q.is_cuda and d % 128:
+        raise ValueError(f"{op}: the CUDA build needs d a multiple of 128 for the packed formats, got {d}")
     _want(op, "comp_codes", comp_codes, torch.uint8, (b, None, d // 2), q.device)
     _want(op, "comp_scales", comp_scales, torch.uint8, (b, comp_codes.shape[1], d // 16), q.device)
     return _run(kind, q, (*srcs, comp_codes, comp_scales), sink, idx, scale)
