@@ -242,10 +242,40 @@ def test_opcheck_cpu():
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (no GPU needed)")
 def test_cuda_scores_build_compiles_for_sm90a():
     """Without a GPU: the sm_90a scoring build (all options) compiles with nvcc; it reads the packed
-    keys with 16-byte loads, runs wgmma, and takes the block max by lane shuffles.  (One build
-    only, ~25 s: the select phases compile the same way, see `build`.)"""
+    keys with 16-byte loads, decodes them with bf16x2 multiplies, runs wgmma, and takes the block
+    max by lane shuffles.  (One build only, ~20 s: the select phases compile the same way.)"""
     src = K.build("scores", (32, 128, True, True, True), "cuda:sm_90a").get_kernel_source()
     assert "wgmma" in src and "__shfl_xor_sync" in src and "*(uint4*)(CODES" in src
+    assert "dsv41c_decode_block" in src and "mul.rn.bf16x2" in src
+
+
+def _bf16_mul(a, b):
+    """bf16 bits a * b rounded to nearest even (the product of two bf16 is exact in fp32)."""
+    f = (a.int() << 16).view(torch.float32) * (b.int() << 16).view(torch.float32)
+    return f.bfloat16().view(torch.int16).int() & 0xFFFF
+
+
+def test_cuda_decode_formula_cpu():
+    """The CUDA build's key decode (`_DECODE_PRELUDE`, replayed here bit for bit) of every code
+    byte at every scale byte equals the ref's dequantised bf16 keys, in the column order `_qperm`
+    gives the queries."""
+    codes = torch.arange(256, dtype=torch.uint8).repeat(256, 1).view(256, 1, 256)  # [scale byte, 1, 16 blocks]
+    scales = torch.arange(256, dtype=torch.uint8).view(256, 1, 1).expand(256, 1, 16).contiguous()
+    ref = quant.mxfp4_dequant_ref(codes, scales, torch.bfloat16).view(256, 16, 32)
+    s = torch.arange(256).view(256, 1, 1)
+    sb = torch.where(s == 0, 0x40, torch.where(s == 255, 0x7FC0, s << 7))
+    words = codes.view(256, 16, 4, 4).long()
+    words = words[..., 0] | words[..., 1] << 8 | words[..., 2] << 16 | words[..., 3] << 24  # [scale, block, q]
+    got = []
+    for i in range(4):  # dsv41c_e2m1_pair(w, i, scale2), its two halves
+        mag = ((words << (6 - 4 * i)) if i < 2 else (words >> (4 * i - 6))) & 0x01C001C0
+        x = mag | ((words << (12 - 4 * i)) & 0x80008000)
+        got.append([_bf16_mul(_bf16_mul((x >> h) & 0xFFFF, torch.tensor(0x7E80)), sb) for h in (0, 16)])
+    got = torch.stack([torch.stack(p, dim=-1) for p in got], dim=-2).flatten(-3)  # [scale, block, 32]
+    want = ref[..., [K._qperm(c) for c in range(32)]].view(torch.int16).int() & 0xFFFF
+    nan = ref[..., [K._qperm(c) for c in range(32)]].isnan()
+    assert torch.equal(got.to(torch.int16).view(torch.bfloat16).isnan(), nan)
+    assert torch.equal(got[~nan], want[~nan])
 
 
 def ulp_close(got, ref, seed):
@@ -271,14 +301,15 @@ def block_max_of(sc):
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("with_cand", (False, True), ids=["all", "cand"])
-@pytest.mark.parametrize("b", (1, 4))
-def test_cuda_scores_released_dims_decode(b, with_cand):
-    """32 heads x 128, 8K keys in a larger cache, one query per sequence."""
-    seed, n = fresh_seed(), 8192
+@pytest.mark.parametrize("b,n", ((1, 8269), (32, 8269), (1, 100003)))
+def test_cuda_scores_released_dims_decode(b, n, with_cand):
+    """32 heads x 128, one query per sequence, keys in a larger cache; n is no multiple of the
+    256-key tile, and batch 32 / 100K keys make each CTA walk several tiles."""
+    seed = fresh_seed()
     q, codes, scales, w = make_inputs(b, 1, 32, 128, n, seed, rows=n + 100, device="cuda")
     cand = None
     if with_cand:
-        cand = torch.rand(b, 1, n // 8, device="cuda") < 0.25
+        cand = torch.rand(b, 1, -(-n // 8), device="cuda") < 0.25
         cand[..., 300:700] = False  # whole key tiles without a kept block: skipped by the kernel
     sc, bm = K.index_scores(q, codes, scales, w, None, cand, n=n, block_max=True)
     ref, _ = K.index_scores_ref(*(t.cpu() for t in (q, codes, scales, w)), None,
@@ -290,14 +321,16 @@ def test_cuda_scores_released_dims_decode(b, with_cand):
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("fq", (True, False), ids=["mxfp4_q", "bf16_q"])
-def test_cuda_scores_prefill(fq):
-    seed, b, s = fresh_seed(), 2, 300
-    q, codes, scales, w = make_inputs(b, s, 32, 128, s, seed, fq=fq, device="cuda")
-    vl = prefill_visible(s, 1, "cuda")
-    cand = torch.rand(b, s, -(-s // 8), device="cuda") < 0.5
+@pytest.mark.parametrize("b,s,ratio", ((2, 300, 1), (1, 1030, 4)))
+def test_cuda_scores_prefill(fq, b, s, ratio):
+    """Causal prefill: every query's visible edge, inside and across the 256-key tiles."""
+    seed, n = fresh_seed(), s // ratio
+    q, codes, scales, w = make_inputs(b, s, 32, 128, n, seed, fq=fq, device="cuda")
+    vl = prefill_visible(s, ratio, "cuda")
+    cand = torch.rand(b, s, -(-n // 8), device="cuda") < 0.5
     for c in (None, cand):
-        sc, bm = K.index_scores(q, codes, scales, w, vl, c, n=s, block_max=True)
-        ref, _ = K.index_scores_ref(*(t.cpu() for t in (q, codes, scales, w, vl)), None if c is None else c.cpu(), n=s)
+        sc, bm = K.index_scores(q, codes, scales, w, vl, c, n=n, block_max=True)
+        ref, _ = K.index_scores_ref(*(t.cpu() for t in (q, codes, scales, w, vl)), None if c is None else c.cpu(), n=n)
         ulp_close(sc.cpu(), ref, seed)
         assert same(bm, block_max_of(sc)), f"seed={seed}"
 
@@ -335,10 +368,11 @@ def test_cuda_select_split():
 
 @pytest.mark.gpu
 @cuda
-def test_cuda_decode_chain_released_dims():
-    """Scores -> funnel -> masked scores -> top-k 512 at 8K keys, batch 4: the selections are
-    exact functions of the kernel's own scores."""
-    seed, b, n = fresh_seed(), 4, 8192
+@pytest.mark.parametrize("b", (1, 32))
+def test_cuda_decode_chain_released_dims(b):
+    """Scores -> funnel -> masked scores (the Reindex path) -> top-k 512 at ~8K keys: the
+    selections are exact functions of the kernel's own scores."""
+    seed, n = fresh_seed(), 8269
     q, codes, scales, w = make_inputs(b, 1, 32, 128, n, seed, device="cuda")
     vl = torch.tensor([n], dtype=torch.int32, device="cuda")
     sc, bm = K.index_scores(q, codes, scales, w, None, None, n=n, block_max=True)

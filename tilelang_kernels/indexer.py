@@ -37,9 +37,13 @@ step (the tests bound it).
 
 CPU (C target): one program per query, serial loops.  bf16 travels as its uint16 bits.
 
-CUDA (sm_90a): the scoring runs the q.k products on the tensor cores (wgmma) from keys decoded
-into shared memory, one CTA per (query, range of keys); the select splits each row over many
-CTAs in four launches.  Details in `_cuda_scores_prim_func` and `_cuda_select_prim_func`.
+CUDA (sm_90a): the scoring decodes the keys on the ALU straight into a bf16 operand tile with
+the UE8M0 scale folded in (exact: it is the dequantised key the ref multiplies), and runs one
+[256 keys x d] x [d x H] GEMM per tile on the tensor cores (wgmma); each CTA walks a range of
+tiles with the next tile's key bytes in flight during the current tile's GEMM and epilogue.  The
+summation order inside the GEMM and over the heads differs from the C build's, so a score may move
+by one bf16 step where a sum is inexact (rare; the GPU tests bound it).  The select splits each row over many CTAs in four launches.  Details in
+`_cuda_scores_prim_func` and `_cuda_select_prim_func`.
 """
 
 import functools
@@ -451,39 +455,97 @@ def candidate_blocks(block_max, visible_len, *, topk_blocks):
 
 # ------------------------------------------------------------------------------------- CUDA builds
 
-_BN = 128  # CUDA scoring: keys per tile (the wgmma M), one thread per key
-_THREADS = 128  # one warpgroup
+_BN = 256  # CUDA scoring: keys per tile (the GEMM's M), one thread per key in the epilogue
+_THREADS = 256  # two warpgroups, each multiplying 128 of the tile's keys
+
+# Decode of one key's scale block (16 code bytes, one UE8M0 byte) into 32 bf16 operand values with
+# the scale folded in, on the ALU (no table, no shared memory).  Code nibble j of a 32-bit word
+# (bits 4j..4j+3: sign bit 3, magnitude e1 e0 m) is element j of the word's 8.  Nibbles j and
+# j + 4 go into one bf16x2 word by two shifts and masks: magnitude bits to bf16 bits 8..6 (exponent
+# low bits and the top mantissa bit) and the sign to bit 15, which spells E2M1 x 2^-126 exactly
+# (code 1, 0.5, becomes the bf16 subnormal 2^-127).  Two bf16x2 multiplies by 2^126 and by the
+# block scale 2^(s-127) give E2M1 x 2^(s-127) rounded to nearest even: exact wherever the bf16
+# dequantised key (the ref) is finite, inf where that overflows; bf16 multiplies keep subnormals.
+# The 8 values of a word are stored as (0,4), (1,5), (2,6), (3,7): the query is permuted the same
+# way (`_qperm`), so the dot products are unchanged.
+_DECODE_PRELUDE = r"""
+// bf16x2 multiply, round to nearest even, subnormals kept (PTX mul.bf16x2 has no flush-to-zero).
+__device__ __forceinline__ unsigned dsv41c_mul_bf16x2(unsigned a, unsigned b) {
+  unsigned d;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// Nibbles i and i + 4 of w (i = 0..3) as a bf16x2 of E2M1 x 2^(s-127), scale2 = that power twice.
+__device__ __forceinline__ unsigned dsv41c_e2m1_pair(unsigned w, int i, unsigned scale2) {
+  unsigned mag = (i < 2 ? w << (6 - 4 * i) : w >> (4 * i - 6)) & 0x01C001C0u;
+  unsigned x = mag | ((w << (12 - 4 * i)) & 0x80008000u);  // E2M1 x 2^-126
+  return dsv41c_mul_bf16x2(dsv41c_mul_bf16x2(x, 0x7E807E80u), scale2);  // x 2^126, x 2^(s-127)
+}
+
+// 16 code bytes at `codes` (16-byte aligned registers) and scale byte `s` -> 32 bf16 at `out`.
+__device__ __forceinline__ void dsv41c_decode_block(const void* codes, unsigned s, void* out) {
+  unsigned sb = s == 0u ? 0x0040u : (s == 255u ? 0x7FC0u : s << 7);  // bf16 bits of 2^(s-127)
+  unsigned scale2 = sb | (sb << 16);
+  uint4 c = *reinterpret_cast<const uint4*>(codes);
+  unsigned words[4] = {c.x, c.y, c.z, c.w};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    uint4 o;
+    o.x = dsv41c_e2m1_pair(words[q], 0, scale2);
+    o.y = dsv41c_e2m1_pair(words[q], 1, scale2);
+    o.z = dsv41c_e2m1_pair(words[q], 2, scale2);
+    o.w = dsv41c_e2m1_pair(words[q], 3, scale2);
+    reinterpret_cast<uint4*>(out)[q] = o;
+  }
+}
+"""
 
 
-def cuda_tiles_per_cta(n: int, rows: int, slots: int = 3 * 132) -> int:
-    """Key tiles each scoring CTA walks: the fewest that fit all CTAs in one wave of `slots`
-    (3 resident per SM on an H200: ~60 KB of shared memory each), at most 8; longer walks load
-    the query once for more keys and overlap one tile's loads with the previous tile's GEMMs."""
+def _qperm(c):
+    """The key dim whose decoded value lands in operand column c (see _DECODE_PRELUDE)."""
+    return c // 8 * 8 + c % 8 // 2 + c % 2 * 4
+
+
+def cuda_tiles_per_cta(n: int, rows: int, slots: int = 2 * 132) -> int:
+    """Key tiles each scoring CTA walks: the fewest that fit all CTAs in one wave of `slots` (2
+    resident per SM on an H200: ~75 KB of shared memory and 123 registers x 256 threads each), at
+    most 16; a longer walk loads the query once for more keys, and every tile after the first has
+    its key bytes in flight during the previous tile's decode, GEMM and epilogue."""
     tiles = -(-n // _BN)
-    return max(1, min(8, -(-tiles * rows // slots)))
+    return max(1, min(16, tiles, -(-tiles * rows // slots)))
 
 
 def _cuda_scores_prim_func(H, d, visible, cand, bmax):
     """Scores on the tensor cores; grid (S, key ranges, B) (S first: a long prefill passes the
-    65535 limit of the other grid dims), 128 threads (one warpgroup).
+    65535 limit of the other grid dims), 256 threads (two warpgroups).
 
-    A CTA loads its query's H x d bf16 and H weights once, then walks `tpc` tiles of 128 keys.
-    Per tile each thread owns one key: it reads the key's 64 + 4 bytes with 16-byte loads (one
-    tile ahead: the next tile's loads are issued before this tile's GEMMs) and writes the *unscaled* E2M1 values as bf16 (a 16-entry table in shared memory) into one
-    shared [128, 32] tile per scale block.  Per scale block one GEMM [128 keys x 32] x [32 x H]
-    (wgmma, fp32) runs from zero and its result is added, times the key's UE8M0 scale (exact,
-    a power of two), to the dot products: the block's E2M1 products sum exactly, and the scale
-    never enters the tensor cores.  Then, elementwise on the accumulator: round to bf16, relu,
-    times w rounded to bf16, into shared memory [128, H + 1] (padded: one key per thread reads
-    its row without bank conflicts); each thread sums its key's H products in order h = 0..H-1
-    in fp32, rounds once, applies the visibility and candidate masks, stores the score, and the
-    block max over 8 keys comes from three xor shuffles among the 8 lanes that own them.
+    A CTA loads its query's H x d bf16 (columns permuted as the decode stores the keys) and its H
+    weights once, then walks `tpc` tiles of 256 keys.  Per tile:
+    - key bytes: thread t owns d/32 (key, scale block) units; the 32 / (d/32) lanes of a warp that
+      share a block take consecutive keys, so one warp-wide 16-byte load reads 512 contiguous
+      bytes.  The next tile's units are loaded into registers before this tile's GEMM, so the
+      loads travel during the GEMM and the epilogue.  Keys whose score is -inf anyway (past the
+      visible length, outside the candidate blocks) are not read (zeros instead), so a Reindex
+      layer reads only its candidate blocks' keys; a tile without any needed key skips the decode
+      and the GEMM (the flag is CTA-uniform).
+    - decode (`_DECODE_PRELUDE`): the E2M1 codes times the UE8M0 scale, exact, into one shared
+      [256, d] bf16 operand tile (16-byte stores; the 8 lanes of a quarter warp write 8 different
+      rows of the 128-byte swizzle: no bank conflicts).
+    - one GEMM [256 keys x d] x [d x H] (wgmma, fp32 accumulation, each warpgroup 128 keys).
+    - epilogue on the accumulator: round to bf16, relu, times w, round to bf16 (§6.5(d)); the sum
+      over the H heads (fp32: each thread its own columns, then across the 4 lanes of a row) is
+      rounded once.  One thread per key then applies the visibility and candidate masks, stores
+      the score, and takes the block max over 8 keys by three xor shuffles.
     """
-    if H % 8 or H > 256:
-        raise ValueError(f"index_scores: the CUDA build needs H a multiple of 8, at most 256, got {H}")
+    if H % 8 or H > 256 or d not in (32, 64, 128, 256):
+        raise ValueError(f"index_scores: the CUDA build needs H a multiple of 8 (at most 256) and d in "
+                         f"32/64/128/256, got H={H}, d={d}")
     B, S, N, NC, NB = T.dynamic("B"), T.dynamic("S"), T.dynamic("N"), T.dynamic("NC"), T.dynamic("NB")
     nsb = d // 32
-    blocks = list(range(nsb))
+    rows_per_warp = 32 // nsb  # keys one warp-wide load covers
+    units = _BN * nsb // _THREADS  # (key, scale block) units per thread and tile
+    warps = _THREADS // 32
 
     def needed(CAND, b, s, t, lim):
         """Key t can score above -inf: below the visible length and in a kept candidate block."""
@@ -491,23 +553,24 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
             return T.And(t < lim, CAND[b, s, T.min(t, lim - 1) // BLOCK] != T.uint8(0))
         return t < lim
 
+    def unit_key(tx, u):
+        """(key row within the tile, scale block) of thread tx's unit u."""
+        lane = tx % 32
+        return (u * warps + tx // 32) * rows_per_warp + lane % rows_per_warp, lane // rows_per_warp
+
     @T.macro
-    def load(CODES, SCALES, CAND, cl, sl, b, s, t, lim):
-        """Key t's packed codes (16-byte loads) and scale bytes into registers.  Keys whose score
-        is -inf anyway (past the visible length, outside the candidate blocks) are not read:
-        zeros instead, so a Reindex layer reads only its candidate blocks' keys."""
-        if needed(CAND, b, s, t, lim):
-            for j in blocks:
+    def load(CODES, SCALES, CAND, cl, sl, b, s, t0, lim, tx):
+        """The units' code bytes (16-byte loads) and scale bytes of the tile at key t0."""
+        for u in T.unroll(units):
+            r, j = unit_key(tx, u)
+            if needed(CAND, b, s, t0 + r, lim):
                 for e in T.vectorized(16):
-                    cl[j, e] = CODES[b, t, j * 16 + e]
-            for j in T.vectorized(nsb):
-                sl[j] = SCALES[b, t, j]
-        else:
-            for j in blocks:
+                    cl[u, e] = CODES[b, t0 + r, j * 16 + e]
+                sl[u] = SCALES[b, t0 + r, j]
+            else:
                 for e in T.vectorized(16):
-                    cl[j, e] = T.uint8(0)
-            for j in T.vectorized(nsb):
-                sl[j] = T.uint8(0)
+                    cl[u, e] = T.uint8(0)
+                sl[u] = T.uint8(0)
 
     @T.prim_func
     def main(Q: T.Tensor((B, S, H, d), "bfloat16"), CODES: T.Tensor((B, NC, d // 2), "uint8"),
@@ -516,65 +579,51 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
              CAND: T.Tensor((B, S, NB) if cand else (1,), "uint8"),
              SC: T.Tensor((B, S, N), "bfloat16"), BM: T.Tensor((B, S, NB) if bmax else (1,), "bfloat16"),
              tpc: T.int32):
-        with T.Kernel(S, T.ceildiv(N, _BN * tpc), B, threads=_THREADS) as (s, bx, b):
+        with T.Kernel(S, T.ceildiv(N, _BN * tpc), B, threads=_THREADS, prelude=_DECODE_PRELUDE) as (s, bx, b):
             tx = T.get_thread_binding()
-            Qs = [T.alloc_shared((H, 32), "bfloat16") for _ in range(nsb)]
-            As = [T.alloc_shared((_BN, 32), "bfloat16") for _ in range(nsb)]
-            Sf = T.alloc_shared((_BN, nsb), "float32")
+            Qs = T.alloc_shared((H, d), "bfloat16")
+            As = T.alloc_shared((_BN, d), "bfloat16")
             Ws = T.alloc_shared((H,), "float32")
-            Ct = T.alloc_shared((_BN, H + 1), "float32")
-            lut = T.alloc_shared((16,), "bfloat16")
+            Rs = T.alloc_shared((_BN,), "float32")
             acc = T.alloc_fragment((_BN, H), "float32")
-            part = T.alloc_fragment((_BN, H), "float32")
-            cl = T.alloc_local((nsb, 16), "uint8")
-            sl = T.alloc_local((nsb,), "uint8")
+            rsum = T.alloc_fragment((_BN,), "float32")
+            cl = T.alloc_local((units, 16), "uint8")
+            sl = T.alloc_local((units,), "uint8")
             al = T.alloc_local((32,), "bfloat16")
-            tot = T.alloc_var("float32")
             sv = T.alloc_var("float32")
             live = T.alloc_var("int32")
-            if tx < 16:
-                lut[tx] = T.Cast("bfloat16", _e2m1_value(T.Cast("uint32", tx)))
-            for j in blocks:  # a Python list: unrolled at trace time (one shared tile each)
-                for h, i in T.Parallel(H, 32):
-                    Qs[j][h, i] = Q[b, s, h, j * 32 + i]
+            for h, c in T.Parallel(H, d):
+                Qs[h, c] = Q[b, s, h, _qperm(c)]
             for h in T.Parallel(H):
                 Ws[h] = T.Cast("float32", W[b, s, h])
             lim = T.min(N, VL[s]) if visible else N
-            load(CODES, SCALES, CAND, cl, sl, b, s, bx * tpc * _BN + tx, lim)
+            load(CODES, SCALES, CAND, cl, sl, b, s, bx * tpc * _BN, lim, tx)
             for it in T.serial(tpc):
-                t = (bx * tpc + it) * _BN + tx
-                T.sync_threads()  # the previous tile's readers of As / Sf / Ct are done
-                # a tile whose keys all score -inf (causal prefill, a Reindex layer's dropped
-                # blocks) skips the decode and the GEMMs; the flag is CTA-uniform
+                t0 = (bx * tpc + it) * _BN
+                t = t0 + tx  # this thread's key in the epilogue
+                T.sync_threads()  # the previous tile's readers of As and Rs are done
                 live = T.call_extern("int32", "__syncthreads_or", T.Cast("int32", needed(CAND, b, s, t, lim)))
                 if live != 0:
-                    for j in blocks:
-                        Sf[tx, j] = _e8m0_value(T.Cast("uint32", sl[j]))
-                    for j in blocks:
-                        for e in T.unroll(16):
-                            al[2 * e] = lut[T.Cast("int32", cl[j, e] & T.uint8(15))]
-                            al[2 * e + 1] = lut[T.Cast("int32", cl[j, e] >> T.uint8(4))]
-                        for e4 in T.unroll(4):
+                    for u in T.unroll(units):
+                        r, j = unit_key(tx, u)
+                        T.call_extern("handle", "dsv41c_decode_block", T.address_of(cl[u, 0]),
+                                      T.Cast("uint32", sl[u]), T.address_of(al[0]))
+                        for q in T.unroll(4):
                             for e in T.vectorized(8):
-                                As[j][tx, e4 * 8 + e] = al[e4 * 8 + e]
-                if it + 1 < tpc:  # the next tile's bytes travel during this tile's GEMMs
-                    load(CODES, SCALES, CAND, cl, sl, b, s, t + _BN, lim)
+                                As[r, j * 32 + q * 8 + e] = al[q * 8 + e]
+                if it + 1 < tpc:  # the next tile's bytes travel during this tile's GEMM
+                    load(CODES, SCALES, CAND, cl, sl, b, s, t0 + _BN, lim, tx)
                 if live != 0:
-                    T.sync_threads()
-                    T.clear(acc)
-                    for j in blocks:
-                        T.gemm(As[j], Qs[j], part, transpose_B=True, clear_accum=True)
-                        for i, h in T.Parallel(_BN, H):
-                            acc[i, h] = acc[i, h] + part[i, h] * Sf[i, j]
+                    T.gemm(As, Qs, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                     for i, h in T.Parallel(_BN, H):
-                        Ct[i, h] = T.Cast("float32", T.Cast("bfloat16", T.max(
+                        acc[i, h] = T.Cast("float32", T.Cast("bfloat16", T.max(
                             T.Cast("float32", T.Cast("bfloat16", acc[i, h])), T.float32(0)) * Ws[h]))
-                    T.sync_threads()
-                # (a skipped tile sums stale products here; every one of its scores is masked below)
-                tot = T.float32(0)
-                for h in T.serial(H):
-                    tot = tot + Ct[tx, h]
-                sv = T.Cast("float32", T.Cast("bfloat16", tot))
+                    T.reduce_sum(acc, rsum, dim=1)
+                    for i in T.Parallel(_BN):
+                        Rs[i] = rsum[i]
+                T.sync_threads()
+                # (a skipped tile reads stale sums here; every one of its scores is masked below)
+                sv = T.Cast("float32", T.Cast("bfloat16", Rs[tx]))
                 sv = T.Select(sv == T.float32(0), T.float32(0), sv)  # -0 -> +0
                 if visible:
                     sv = T.Select(t >= VL[s], T.float32(-T.infinity("float32")), sv)
@@ -590,7 +639,6 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                     if t < N and tx % BLOCK == 0:
                         BM[b, s, t // BLOCK] = T.Cast("bfloat16", sv)
     return main
-
 
 _SEL_THREADS = 256  # CUDA select: threads per CTA, one histogram bin each
 _SEL_VEC = 8  # CUDA select: consecutive scores per thread and chunk
