@@ -208,8 +208,8 @@ def _cpu_select_prim_func(mode):
     out_shape, out_dtype = ((B, S, N), "uint8") if blocks else ((B, S, KO), "int32")
 
     @T.prim_func
-    def main(SC: T.Tensor((B, S, N), "uint16"), VL: T.Tensor((S,), "int32"), ARGS: T.Tensor((2,), "int32"),
-             OUT: T.Tensor(out_shape, out_dtype)):
+    def main(SC: T.Tensor((B, S, N), "uint16"), VL: T.Tensor((S,), "int32"), OUT: T.Tensor(out_shape, out_dtype),
+             k: T.int32, offset: T.int32):
         with TC.Kernel(S, B) as (s, b):
             hist = T.alloc_local((256,), "int32")
             thr = T.alloc_var("uint32")
@@ -219,7 +219,7 @@ def _cpu_select_prim_func(mode):
             eqc = T.alloc_var("int32")
             need = T.alloc_var("int32")
             kv = T.alloc_var("uint32")
-            kk = ARGS[0]
+            kk = k
             newest = T.Select(VL[s] > 0, (VL[s] - 1) // BLOCK, -1)
 
             T.clear(hist)
@@ -260,7 +260,7 @@ def _cpu_select_prim_func(mode):
                     if blocks:
                         OUT[b, s, i] = T.Cast("uint8", kv > _u(_KEY_NEG_INF))
                     else:
-                        OUT[b, s, pos] = T.Select(i >= VL[s], -1, i + ARGS[1])
+                        OUT[b, s, pos] = T.Select(i >= VL[s], -1, i + offset)
                     pos = pos + 1
                 if kv == thr:
                     eqc = eqc + 1
@@ -378,16 +378,17 @@ def _select(mode, scores, visible_len, k, offset, out):
     target = kernel_target(scores, "indexer")
     sc = scores.contiguous().view(torch.uint16)
     vl = visible_len.contiguous()
-    args = torch.tensor([k, offset], dtype=torch.int32, device=scores.device)
+    # k and offset are scalar kernel arguments: a device tensor of them would cost a host-to-device
+    # copy that synchronises the host with the GPU on every call and breaks CUDA graph capture
     if target == "c":
-        build("select", (mode, "all"), target)(sc, vl, args, out)
+        build("select", (mode, "all"), target)(sc, vl, out, k, offset)
         return
     b, s, n = scores.shape
     parts, part = cuda_select_split(n, b * s)
     hist = torch.zeros(b, s, 2, 256, dtype=torch.int32, device=scores.device)
     counts = torch.empty(b, s, parts, 2, dtype=torch.int32, device=scores.device)
     for phase in SELECT_PHASES:
-        build("select", (mode, phase), target)(sc, vl, args, hist, counts, out, part)
+        build("select", (mode, phase), target)(sc, vl, hist, counts, out, part, k, offset)
 
 
 def _topk_fake(scores, visible_len, k, offset):
@@ -715,9 +716,9 @@ def _cuda_select_prim_func(mode, phase):
             kl[e] = T.Select(i0 + e < N, _sel_key(hv[e], i0 + e, newest, blocks), _u(0x10000))
 
     @T.prim_func
-    def main(SC: T.Tensor((B, S, N), "uint16"), VL: T.Tensor((S,), "int32"), ARGS: T.Tensor((2,), "int32"),
+    def main(SC: T.Tensor((B, S, N), "uint16"), VL: T.Tensor((S,), "int32"),
              HIST: T.Tensor((B, S, 2, 256), "int32"), COUNTS: T.Tensor((B, S, P, 2), "int32"),
-             OUT: T.Tensor(out_shape, out_dtype), part: T.int32):
+             OUT: T.Tensor(out_shape, out_dtype), part: T.int32, k: T.int32, offset: T.int32):
         with T.Kernel(S, P, B, threads=ts) as (s, p, b):
             tx = T.get_thread_binding()
             hist = T.alloc_shared((256,), "int32")
@@ -733,7 +734,7 @@ def _cuda_select_prim_func(mode, phase):
             need = T.alloc_var("int32")
             gt = T.alloc_var("int32")
             eq = T.alloc_var("int32")
-            kk = ARGS[0]
+            kk = k
             newest = T.Select(VL[s] > 0, (VL[s] - 1) // BLOCK, -1)
             lane_below = (_u(1) << T.Cast("uint32", tx % 32)) - _u(1)
             if phase != "hist0":
@@ -786,7 +787,7 @@ def _cuda_select_prim_func(mode, phase):
                                     OUT[b, s, i] = T.Cast("uint8", (kl[e] > thr or (kl[e] == thr and eq < need))
                                                           and kl[e] > _u(_KEY_NEG_INF))
                             elif i < N and (kl[e] > thr or (kl[e] == thr and eq < need)):
-                                OUT[b, s, gt + T.min(eq, need)] = T.Select(i >= VL[s], -1, i + ARGS[1])
+                                OUT[b, s, gt + T.min(eq, need)] = T.Select(i >= VL[s], -1, i + offset)
                             gt = gt + T.Select(kl[e] > thr, 1, 0)
                             eq = eq + T.Select(kl[e] == thr, 1, 0)
                     run[0] = run[0] + (res[1] & 0xFFFF)
