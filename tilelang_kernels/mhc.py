@@ -326,6 +326,7 @@ def build(kind: str, dtype: str, m: int, D: int, norm_eps: float, hc_eps: float,
     return tuple((names, compile_for(f, target)) for names, f in fns)
 
 
+@functools.lru_cache(maxsize=1024)  # called per op call: the search over divisors costs ~10 us of host time
 def cuda_splits(D: int, n: int, sms: int = 132) -> int:
     """CTAs along D per token tile for T = n tokens: the divisor K of D/DC that minimises
     waves x chunks per CTA over the resident CTAs (`_CTAS_PER_SM` per SM), preferring K >= 8
