@@ -68,6 +68,12 @@ def test_e2m1_every_value_round_trips_and_is_monotone():
     assert ((r - grid.clamp(-6, 6)).abs() <= torch.where(grid.abs() < 2, 0.25, torch.where(grid.abs() < 4, 0.5, 1.0))).all()
 
 
+def test_e2m1_decode_every_code():
+    """Codes 0..7 are the magnitudes, 8..15 their negatives (8 is -0.0)."""
+    got = Q._e2m1_decode(torch.arange(16, dtype=torch.uint8))
+    assert torch.equal(bits(got), bits(torch.cat([E2M1, -E2M1])))
+
+
 def test_e2m1_round_traces_without_graph_breaks():
     f = torch.compile(Q.e2m1_round, fullgraph=True, backend="eager")
     v = torch.randn(257) * 4
