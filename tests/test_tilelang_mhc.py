@@ -262,5 +262,25 @@ def test_cuda_other_widths(d):
 
 @pytest.mark.gpu
 @cuda
+@pytest.mark.parametrize("m", (1, 2, 3))
+def test_cuda_other_hc_mult(m):
+    """The finalize kernel pads the comb matrix to a power-of-two side (lanes outside it hold 0)."""
+    for kind in ("pre", "post_pre"):
+        for n in (1, 77):
+            check(kind, torch.bfloat16, n, 512, "cuda", m=m)
+
+
+def test_cuda_splits():
+    """One chunk per CTA while every CTA fits in one wave (decode latency is one chunk's); at
+    prefill sizes the workspace stays under ~3% of the stream traffic."""
+    chunks = 5120 // K.DC
+    assert K.cuda_splits(5120, 1) == chunks and K.cuda_splits(5120, K.TB) == chunks
+    for n in (4096, 65536):
+        k = K.cuda_splits(5120, n)
+        assert chunks % k == 0 and k * K._NPAD * 4 <= 0.03 * (2 * 4 + 2) * 5120 * 2
+
+
+@pytest.mark.gpu
+@cuda
 def test_cuda_opcheck():
     opcheck_all("cuda")

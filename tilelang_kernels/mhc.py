@@ -52,8 +52,12 @@ CUDA (sm_90a: wgmma needs the arch-specific target).
      and used after it (155 registers, 86 KB of shared memory: 2 CTAs per SM, bf16).  (Loading
      straight into registers with no overlap inside a CTA, 3 CTAs per SM, measured 36% / 51% of
      the bound at T = 4096 / 65536 on an H200 against this one's 41% / 47%: BENCHMARKS.md.)
-  2. `finalize`: one thread per token sums the K partials in fixed order, then rsqrt, sigmoids
-     and the Sinkhorn of §5.2 in registers.  Deterministic: no atomics.
+  2. `finalize`: 16 lanes per token (m = 4), one comb entry each: each lane sums its coefficient's
+     K partials in fixed order (lanes 0..2m-1 also pre/post, lane 2m the sum of squares), then
+     rsqrt and sigmoids, and the Sinkhorn of §5.2 with the row and column sums as xor-shuffle
+     butterflies over the lane bits of j and of i.  Deterministic: no atomics.  (One thread per
+     token, with the Sinkhorn's 39 normalisations serial in it, took 50 us at any T: ~99K cycles of
+     dependent divisions, more than the main kernel at T = 1.)
 """
 
 import functools
@@ -83,6 +87,7 @@ KINDS = ("pre", "post_pre", "post_collapse")
 TB = 64  # CUDA: tokens per CTA (the wgmma M)
 DC = 32  # CUDA: columns of each stream per chunk
 _THREADS = 128  # CUDA: one warpgroup
+_MIX_THREADS = 128  # CUDA mixing kernels: threads per CTA
 _NPAD = 32  # CUDA: GEMM N, the mix coefficients padded; column 24 (mix) of the workspace = sum of squares
 _CTAS_PER_SM = 2  # CUDA: resident mixes CTAs per H200 SM (shared memory: two stages of streams)
 
@@ -331,11 +336,12 @@ def cuda_splits(D: int, n: int, sms: int = 132) -> int:
     """CTAs along D per token tile for T = n tokens: the divisor K of D/DC that minimises
     waves x chunks per CTA over the resident CTAs (`_CTAS_PER_SM` per SM), preferring K >= 8
     (the tile's CTAs then read at least 512 contiguous bytes of a row together), with the
-    workspace (K x 128 B per token) kept under ~3% of the stream traffic; at T = 1 that is up
-    to 20 CTAs side by side instead of one CTA walking all of D."""
+    workspace (K x 128 B per token) kept under ~3% of the stream traffic unless all the CTAs fit
+    in one wave: at T = 1 every chunk gets its own CTA, and the latency is one chunk's instead of
+    one CTA walking all of D."""
     chunks, tiles, slots = D // DC, -(-n // TB), _CTAS_PER_SM * sms
     cap = max(1, (D * 2 * 10) * 3 // 100 // (_NPAD * 4))
-    ks = [k for k in range(1, chunks + 1) if chunks % k == 0 and k <= cap] or [1]
+    ks = [k for k in range(1, chunks + 1) if chunks % k == 0 and (k <= cap or tiles * k <= slots)]
     return min(ks, key=lambda k: (-(-tiles * k // slots) * (chunks // k), k < 8, k))
 
 
@@ -578,17 +584,17 @@ def _cuda_mixes_prim_func(kind, dtype, m, D):
     vec = 8  # stream values per thread item (16 B of bf16)
     vw = 16 // (4 if dtype == "float32" else 2)  # values per 16-byte access
     ipr = DC // vec  # items per token row of a chunk
-    U = TB * ipr // _THREADS  # items per thread
+    U = TB * ipr // _MIX_THREADS  # items per thread
     rows = list(range(m + 1 if expand else m))  # stream rows per token (+ y); a list: unrolled at trace time
     npa = 1 if dtype == "bfloat16" else 3  # bf16 pieces of a stream value
     pieces = list(range(npa))
     pairs = [(a, b) for a in range(npa) for b in range(3) if a + b <= 2]
     nfv = mix * kc // 4  # float4 vectors of fn per chunk
-    FU = -(-nfv // _THREADS)
+    FU = -(-nfv // _MIX_THREADS)
     ncf = (m + m * m if expand else 0) + m  # per-token coefficients: post, comb, pre_delayed
     src = "RES" if expand else "H"
     mul, add = _arith(True)
-    assert TB * ipr % _THREADS == 0 and D % DC == 0
+    assert TB * ipr % _MIX_THREADS == 0 and D % DC == 0
 
     def row(B, r, t, c):
         """Element (t, c) of stream r of the source (r = m: y)."""
@@ -598,8 +604,8 @@ def _cuda_mixes_prim_func(kind, dtype, m, D):
     def load_fn(B, fl, tx, d0):
         """fn's chunk at column d0 of every stream, as float4 vectors, into registers."""
         for u in T.unroll(FU):
-            q = u * _THREADS + tx
-            if FU * _THREADS == nfv or q < nfv:
+            q = u * _MIX_THREADS + tx
+            if FU * _MIX_THREADS == nfv or q < nfv:
                 for e in T.vectorized(4):
                     fl[u, e] = B["FN"][q // (kc // 4), (q % (kc // 4)) * 4 // DC * D + d0
                                        + (q % (kc // 4)) * 4 % DC + e]
@@ -608,8 +614,8 @@ def _cuda_mixes_prim_func(kind, dtype, m, D):
     def split_fn(fl, bl, Bs, tx):
         """fn's chunk into Bs as three bf16 pieces."""
         for u in T.unroll(FU):
-            q = u * _THREADS + tx
-            if FU * _THREADS == nfv or q < nfv:
+            q = u * _MIX_THREADS + tx
+            if FU * _MIX_THREADS == nfv or q < nfv:
                 for e in T.unroll(4):
                     for p, piece in enumerate(_bf16_pieces(fl[u, e], 3)):
                         bl[p, e] = piece
@@ -621,7 +627,7 @@ def _cuda_mixes_prim_func(kind, dtype, m, D):
     def issue_streams(B, St, stage, bt, tx, d0):
         """cp.async of the chunk's streams into St[stage]; rows past N are zero-filled."""
         for u in T.unroll(U):
-            it = u * _THREADS + tx
+            it = u * _MIX_THREADS + tx
             t = bt * TB + it // ipr
             for h2 in T.unroll(vec // vw):
                 for r in rows:
@@ -634,7 +640,7 @@ def _cuda_mixes_prim_func(kind, dtype, m, D):
         # The D split is blockIdx.x, so the K CTAs of a token tile are launched together, and CTA k
         # takes chunks k, k + K, k + 2K, ...: at any time the tile's CTAs read K adjacent 64-byte
         # pieces of each row, K * 64 contiguous bytes, instead of 64 bytes 10 KB apart.
-        with T.Kernel(splits, T.ceildiv(N, TB), threads=_THREADS) as (bk, bt):
+        with T.Kernel(splits, T.ceildiv(N, TB), threads=_MIX_THREADS) as (bk, bt):
             tx = T.get_thread_binding()
             # the chunks' streams in two stages; token stride (m + 1) * DC values for every kind
             # (bf16: 320 B) keeps the 16-byte accesses of 8 lanes (two tokens) on distinct banks
@@ -658,11 +664,12 @@ def _cuda_mixes_prim_func(kind, dtype, m, D):
             T.clear(Cf)
             for u in T.unroll(U):
                 sq[u] = T.float32(0)
-            for q in T.serial((_NPAD - mix) * kc // _THREADS):  # zero fn rows mix.._NPAD
-                for p in [0, 1, 2]:  # a Python list: unrolled at trace time
-                    Bs[p][mix + (q * _THREADS + tx) // kc, (q * _THREADS + tx) % kc] = T.bfloat16(0)
-            for q in T.serial(T.ceildiv(TB * ncf, _THREADS)):
-                i = q * _THREADS + tx
+            for q in T.serial(-(-(_NPAD - mix) * kc // _MIX_THREADS)):  # zero fn rows mix.._NPAD
+                if q * _MIX_THREADS + tx < (_NPAD - mix) * kc:
+                    for p in [0, 1, 2]:  # a Python list: unrolled at trace time
+                        Bs[p][mix + (q * _MIX_THREADS + tx) // kc, (q * _MIX_THREADS + tx) % kc] = T.bfloat16(0)
+            for q in T.serial(T.ceildiv(TB * ncf, _MIX_THREADS)):
+                i = q * _MIX_THREADS + tx
                 t = bt * TB + i // ncf
                 if i < TB * ncf and t < N:
                     if i % ncf >= ncf - m:
@@ -682,12 +689,12 @@ def _cuda_mixes_prim_func(kind, dtype, m, D):
                 T.ptx_wait_group(1)  # this thread's copies of chunk ch have landed
                 T.sync_threads()  # and everyone's
                 for u in T.unroll(U):
-                    it = u * _THREADS + tx
+                    it = u * _MIX_THREADS + tx
                     for r in T.unroll(len(rows)):
                         for e in T.vectorized(vec):
                             xl[u, r, e] = St[ch % 2, it // ipr, r, it % ipr * vec + e]
                 for u in T.unroll(U):
-                    it = u * _THREADS + tx
+                    it = u * _MIX_THREADS + tx
                     t = bt * TB + it // ipr
                     for e in T.unroll(vec):
                         if expand:
@@ -737,15 +744,15 @@ def _cuda_mixes_prim_func(kind, dtype, m, D):
                     Cf[i, j] = Cf[i, j] + Cc[i, j]
             T.copy(Cf, Cs)
             for u in T.unroll(U):
-                it = u * _THREADS + tx
+                it = u * _MIX_THREADS + tx
                 t = bt * TB + it // ipr
                 for k in T.unroll(ipr.bit_length() - 1):  # the ipr lanes of one token row
                     sq[u] = sq[u] + T.shfl_xor(sq[u], 1 << k)
                 if t < N and it % ipr == 0:
                     B["WS"][bk, t, mix] = sq[u]
             T.sync_threads()
-            for u in T.unroll(TB * _NPAD // _THREADS):
-                it = u * _THREADS + tx
+            for u in T.unroll(TB * _NPAD // _MIX_THREADS):
+                it = u * _MIX_THREADS + tx
                 t = bt * TB + it // _NPAD
                 if t < N and it % _NPAD < mix:
                     B["WS"][bk, t, it % _NPAD] = Cs[it // _NPAD, it % _NPAD]
@@ -754,25 +761,74 @@ def _cuda_mixes_prim_func(kind, dtype, m, D):
 
 
 def _cuda_finalize_prim_func(m, D, norm_eps, hc_eps, iters):
-    """One thread per token: the KS partial sums in order, then the mixes (CUDA step 2)."""
+    """A group of G lanes per token (module docstring, CUDA step 2): lane l = i * mp + j holds
+    comb entry (i, j) (mp = m rounded up to a power of two; lanes with i or j >= m hold 0), so a
+    row sum is a butterfly over the j bits of the lane and a column sum over the i bits; lanes
+    0 .. 2m-1 also hold pre and post, lane 2m the sum of squares."""
     names = _PARAMS["finalize", "main"]
     splits = T.dynamic("K")
     S, N = _buffers(names, "float32", m, D, splits)
     mix = 2 * m + m * m
-    finalize = _finalize_macro(m, m * D, norm_eps, hc_eps, iters)
+    mp = 1 << (m - 1).bit_length()
+    G = max(mp * mp, 1 << (2 * m).bit_length())  # lanes per token: the comb entries and 2m + 1
+    rows = [1 << b for b in range(mp.bit_length() - 1)]  # xor offsets over j (within a row)
+    cols = [mp << b for b in range(mp.bit_length() - 1)]  # over i (within a column)
     threads = 128
+    eps = _f32_const(hc_eps)
 
     @T.macro
     def body(B):
-        with T.Kernel(T.ceildiv(N, threads), threads=threads) as bx:
-            t = bx * threads + T.get_thread_binding()
-            acc = T.alloc_local((mix + 1,), "float32")
-            c = T.alloc_local((m * m,), "float32")
+        with T.Kernel(T.ceildiv(N * G, threads), threads=threads) as bx:
+            tx = T.get_thread_binding()
+            t = bx * (threads // G) + tx // G
+            ln = tx % G
+            i, j = ln // mp, ln % mp
+            ok = T.And(i < m, j < m)
+            a = T.alloc_var("float32")  # comb's dot product (entry i, j)
+            b = T.alloc_var("float32")  # pre/post's dot product (lanes < 2m), the sum of squares (2m)
+            c = T.alloc_var("float32")
+            r = T.alloc_var("float32")
+            a = T.float32(0)
+            b = T.float32(0)
+            s = T.alloc_var("float32")
+            q = T.alloc_var("int32")  # the coefficient in b: pre/post 0..2m-1, the sum of squares (mix)
+            a = T.float32(0)
+            b = T.float32(0)
+            q = T.if_then_else(ln < 2 * m, ln, mix)
+            # the K partial sums in order, each lane its own coefficients (every lane runs the
+            # shuffles below, also past N: their values are never stored)
             if t < N:
-                for q in T.unroll(mix + 1):
-                    acc[q] = B["WS"][0, t, q]
+                if ok:
+                    a = B["WS"][0, t, 2 * m + i * m + j]
                     for k in T.serial(1, splits):
-                        acc[q] = acc[q] + B["WS"][k, t, q]
-                finalize(acc, c, B["SC"], B["BASE"], B["PRE"], B["POST"], B["COMB"], t)
+                        a = a + B["WS"][k, t, 2 * m + i * m + j]
+                if ln <= 2 * m:
+                    b = B["WS"][0, t, q]
+                    for k in T.serial(1, splits):
+                        b = b + B["WS"][k, t, q]
+            r = T.float32(1) / T.sqrt(T.shfl_sync(b, 2 * m, G) / T.float32(m * D) + _f32_const(norm_eps))
+            if t < N:
+                if ln < m:
+                    B["PRE"][t, ln] = T.sigmoid(b * r * B["SC"][0] + B["BASE"][ln]) + eps
+                elif ln < 2 * m:
+                    B["POST"][t, ln - m] = T.float32(2) * T.sigmoid(b * r * B["SC"][1] + B["BASE"][ln])
+            # row softmax (lanes outside the matrix: -3e38 for the max, 0 after it), then + eps
+            a = a * r * B["SC"][2] + B["BASE"][T.if_then_else(ok, 2 * m + i * m + j, 0)]
+            c = T.if_then_else(ok, a, -_f32_const(3.0e38))
+            for o in rows:
+                c = T.max(c, T.shfl_xor(c, o))
+            a = T.if_then_else(ok, T.exp(a - c), T.float32(0))
+            s = a
+            for o in rows:
+                s = s + T.shfl_xor(s, o)
+            c = T.if_then_else(ok, a / s + eps, T.float32(0))
+            # column, then (row, column) x (iters - 1): c /= (its column's or row's sum + eps)
+            for it in T.serial(2 * iters - 1):
+                s = c
+                for o in cols:
+                    s = s + T.shfl_xor(s, T.if_then_else(it % 2 == 0, o, o // mp))
+                c = c / (s + eps)
+            if t < N and ok:
+                B["COMB"][t, i, j] = c
 
     return names, _prim_func(names, S, body)
