@@ -101,11 +101,8 @@ def _e2m1_mag_code(m: torch.Tensor) -> torch.Tensor:
     return code
 
 
-def _e2m1_magnitude(code: torch.Tensor) -> torch.Tensor:
-    """Integer magnitude codes 0..7 (e1 e0 m) -> fp32 E2M1_VALUES[code], by arithmetic: no table
-    tensor built on the device at every call (a host-to-device copy and sync in eager GPU runs)."""
-    e, m = code >> 1, (code & 1).float()
-    return torch.where(e == 0, 0.5 * m, (1 + 0.5 * m) * (torch.ones_like(e) << (e - 1).clamp(min=0)).float())
+def _e2m1_table(device: torch.device) -> torch.Tensor:
+    return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
 
 
 def _e2m1_encode(v: torch.Tensor) -> torch.Tensor:
@@ -116,7 +113,7 @@ def _e2m1_encode(v: torch.Tensor) -> torch.Tensor:
 def _e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     """uint8 E2M1 codes (low nibble) -> fp32 values; code 8 is -0.0."""
     c = codes.to(torch.int64)
-    mag = _e2m1_magnitude(c & 7)
+    mag = _e2m1_table(codes.device)[c & 7]
     return torch.where((c & 8) != 0, -mag, mag)
 
 
@@ -161,7 +158,7 @@ def e2m1_round(v: torch.Tensor) -> torch.Tensor:
     5->4.  The sign is kept (also on zero); NaN stays NaN.  Elementwise torch ops only.
     """
     v = v.float()
-    out = torch.copysign(_e2m1_magnitude(_e2m1_mag_code(v.abs()).to(torch.int64)), v)
+    out = torch.copysign(_e2m1_table(v.device)[_e2m1_mag_code(v.abs()).to(torch.int64)], v)
     return torch.where(torch.isnan(v), v, out)
 
 
