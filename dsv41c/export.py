@@ -346,6 +346,11 @@ def export(model: Transformer, out: str | os.PathLike, passes: Sequence[str] | N
             # the copy's statistics would be lost. No FX graph cache: a hit would skip the passes.
             hook = options.pop("post_grad_custom_post_pass")
             options.update(fx_graph_cache=False, **WEIGHTS_OUTSIDE)
+            # Triton configs are picked by running the kernels on the export's example inputs, not on
+            # random tensors: AOTInductor's compile-time autotuning feeds each kernel random values,
+            # and a gather whose index is computed upstream (the Engram hash rows) then trips
+            # Inductor's device-side bounds assert, which kills the CUDA context (seen on an H200).
+            options["triton.autotune_at_compile_time"] = False
             with torch.no_grad(), torch._inductor.config.patch(post_grad_custom_post_pass=hook):
                 torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp / spec.file),
                                                          inductor_configs=options)
