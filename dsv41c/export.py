@@ -50,6 +50,7 @@ import os
 import shutil
 import tempfile
 import time
+import warnings
 import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -66,6 +67,7 @@ from dsv41c.config import ModelArgs, build_layer_plan
 from dsv41c.errors import ArtifactError, InputError
 from dsv41c.golden import file_sha256
 from dsv41c.model import Transformer, check_token_range
+from dsv41c.moe import Experts
 from dsv41c.passes.manager import build_pipeline
 from dsv41c.tokenizer import Tokenizer
 
@@ -328,10 +330,18 @@ def export(model: Transformer, out: str | os.PathLike, passes: Sequence[str] | N
     specs = program_specs(period_of(args))
     # bound before tracing: a pass may change what the model holds (fp4_kv: packed caches)
     build_pipeline(names, strict).bind(model)
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
     caches = [b.detach().clone() for n, b in model.named_buffers() if n.startswith(CACHE_PREFIX)]
     tmp = Path(tempfile.mkdtemp(dir=out.absolute().parent, prefix=f".{out.name}."))
     weights = WeightStore()
     try:
+        if experts and not aoti_has_shim("_grouped_mm", model.device.type):
+            warnings.warn(f"export: this torch's AOTInductor has no {model.device.type} C shim for _grouped_mm "
+                          f"(torch {torch.__version__}); the MoE experts are exported as the non-grouped path of "
+                          f"`MoE.forward` (one GEMM per expert, or gathered weights for few tokens): the "
+                          f"same function, slower", stacklevel=2)
+            for m in experts:
+                m.grouped_gemm = False
         custom_ops: set[str] = set()
         uuid = build_pipeline(names, strict).uuid()
         for spec in specs:
@@ -372,7 +382,23 @@ def export(model: Transformer, out: str | os.PathLike, passes: Sequence[str] | N
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        for m in experts:
+            m.__dict__.pop("grouped_gemm", None)       # back to the class default
     return out
+
+
+def aoti_has_shim(op: str, device_type: str) -> bool:
+    """Whether the installed torch's AOTInductor declares a C shim for aten `op` on `device_type`.
+    Inductor's codegen emits a shim call for every op it knows one for, but the headers a torch
+    build ships can lack one (torch 2.11's CUDA shims have no `_grouped_mm`: the package then fails
+    to compile, seen on an H200)."""
+    header = (Path(torch.__file__).parent / "include" / "torch" / "csrc" / "inductor" / "aoti_torch" / "generated"
+              / f"c_shim_{device_type}.h")
+    try:
+        return f"aoti_torch_{device_type}_{op}(" in header.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return False
 
 
 def _manifest(model: Transformer, specs: list[ProgramSpec], passes: list[str], strict: bool, uuid: str,

@@ -300,6 +300,35 @@ def test_export_refuses_a_non_empty_out_dir_before_any_work(tmp_path):
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep"]
 
 
+def test_without_a_grouped_mm_shim_the_experts_are_not_traced_through_grouped_gemms(monkeypatch, tmp_path):
+    """A torch whose AOTInductor lacks the device's `_grouped_mm` C shim (torch 2.11 on CUDA) gets
+    the experts traced through MoE's non-grouped path, with a warning; the flag is restored after, and a
+    failed export leaves nothing behind. (The trace is stopped at its first program: no compile.)"""
+    import importlib
+
+    from dsv41c.moe import Experts
+
+    E = importlib.import_module("dsv41c.export")        # (the package's `export` is the function)
+
+    model = dsv41c.build_model(cut_args(), seed=0)
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    assert experts
+    seen = []
+
+    def first_program(*_):
+        seen.append([m.grouped_gemm for m in experts])
+        raise RuntimeError("stop before tracing")
+
+    monkeypatch.setattr(E, "aoti_has_shim", lambda op, device_type: op != "_grouped_mm")
+    monkeypatch.setattr(E, "_export_program", first_program)
+    with pytest.warns(UserWarning, match="_grouped_mm"), pytest.raises(RuntimeError, match="stop before"):
+        dsv41c.export(model, tmp_path / "artifact")
+    assert seen == [[False] * len(experts)]
+    assert all(m.grouped_gemm for m in experts) and not (tmp_path / "artifact").exists()
+    monkeypatch.undo()
+    assert E.aoti_has_shim("_grouped_mm", "cpu") and not E.aoti_has_shim("no_such_op", "cpu")
+
+
 @pytest.mark.slow
 def test_a_second_export_is_the_same_apart_from_timestamps_and_library_bytes(exported, tmp_path):
     """Opt-in (a second AOTInductor compile): the manifest is identical except `created` and the
