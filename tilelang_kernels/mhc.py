@@ -86,7 +86,7 @@ __all__ = [
 KINDS = ("pre", "post_pre", "post_collapse")
 TB = 64  # CUDA: tokens per CTA (the wgmma M)
 DC = 32  # CUDA: columns of each stream per chunk
-_THREADS = 128  # CUDA: one warpgroup
+_THREADS = 128  # CUDA post_collapse: threads per CTA
 _MIX_THREADS = 128  # CUDA mixing kernels: threads per CTA
 _NPAD = 32  # CUDA: GEMM N, the mix coefficients padded; column 24 (mix) of the workspace = sum of squares
 _CTAS_PER_SM = 2  # CUDA: resident mixes CTAs per H200 SM (shared memory: two stages of streams)
@@ -140,7 +140,7 @@ def _arith(cuda: bool):
 
 def _finalize_macro(m: int, n_flat: int, norm_eps: float, hc_eps: float, iters: int):
     """Mixes of one token t from acc[0:mix] = fn . s and acc[mix] = sum(s^2): §5.1 and §5.2.
-    c is an m*m local scratch.  Used by the C build and the CUDA finalize kernel alike."""
+    c is an m*m local scratch.  The C build's (the CUDA finalize kernel spreads a token over lanes)."""
     mix = 2 * m + m * m
 
     @T.macro
@@ -788,8 +788,6 @@ def _cuda_finalize_prim_func(m, D, norm_eps, hc_eps, iters):
             b = T.alloc_var("float32")  # pre/post's dot product (lanes < 2m), the sum of squares (2m)
             c = T.alloc_var("float32")
             r = T.alloc_var("float32")
-            a = T.float32(0)
-            b = T.float32(0)
             s = T.alloc_var("float32")
             q = T.alloc_var("int32")  # the coefficient in b: pre/post 0..2m-1, the sum of squares (mix)
             a = T.float32(0)
