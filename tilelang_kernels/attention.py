@@ -404,12 +404,11 @@ def _cuda_prim_func(kind, H, d, scale, split):
             T.copy(R["Q"][bb, bs, bh * HB:(bh + 1) * HB, :], Qs)
         else:  # the last CTA's missing heads are zero rows of the GEMM, never stored
             for u in T.serial(T.ceildiv(HB * per_row, threads)):
+                h, c = (u * threads + tx) // per_row, (u * threads + tx) % per_row * vec  # (expressions)
                 if (u * threads + tx) < HB * per_row:
                     for j in T.vectorized(vec):
-                        Qs[(u * threads + tx) // per_row, (u * threads + tx) % per_row * vec + j] = T.if_then_else(
-                            bh * HB + (u * threads + tx) // per_row < H,
-                            R["Q"][bb, bs, bh * HB + (u * threads + tx) // per_row, (u * threads + tx) % per_row * vec + j],
-                            T.Cast(bf, 0))
+                        Qs[h, c + j] = T.if_then_else(bh * HB + h < H, R["Q"][bb, bs, bh * HB + h, c + j],
+                                                      T.Cast(bf, 0))
         T.fill(acc, 0)
         T.fill(den, 0)
         T.fill(mrun, _f32_const(_NEG_BIG))
