@@ -47,9 +47,12 @@ CUDA (sm_90a: wgmma needs the arch-specific target).
      adds: the tensor cores' own accumulation drifts (about 3e-5 relative over D = 5120 when one
      accumulator spans all chunks).  Partial dot products and sums of squares go to a workspace
      [K, T, 32]; K is picked per call (`cuda_splits`).
-     The streams go global -> shared with cp.async into two stages: chunk c + 1 is in flight
-     while chunk c is computed and multiplied, and fn's loads are issued before chunk c's compute
-     and used after it (155 registers, 86 KB of shared memory: 2 CTAs per SM, bf16).  (Loading
+     The streams go global -> shared with cp.async into `_STAGES` = 2 stages: chunk c + 1 is in
+     flight while chunk c is computed and multiplied, and fn's loads are issued before chunk c's
+     compute and used after it (155 registers, 86 KB of shared memory: 2 CTAs per SM, bf16).
+     Three stages (two chunks in flight, 106 KB, still 2 CTAs per SM) measured no faster, and one
+     CTA per SM with five stages much slower (BENCHMARKS.md): the per-CTA chain of loads, compute,
+     barriers and GEMM per chunk limits it, not the bytes in flight.  (Loading
      straight into registers with no overlap inside a CTA, 3 CTAs per SM, measured 36% / 51% of
      the bound at T = 4096 / 65536 on an H200 against this one's 41% / 47%: BENCHMARKS.md.)
   2. `finalize`: 16 lanes per token (m = 4), one comb entry each: each lane sums its coefficient's
@@ -89,7 +92,8 @@ DC = 32  # CUDA: columns of each stream per chunk
 _THREADS = 128  # CUDA post_collapse: threads per CTA
 _MIX_THREADS = 128  # CUDA mixing kernels: threads per CTA
 _NPAD = 32  # CUDA: GEMM N, the mix coefficients padded; column 24 (mix) of the workspace = sum of squares
-_CTAS_PER_SM = 2  # CUDA: resident mixes CTAs per H200 SM (shared memory: two stages of streams)
+_STAGES = 2  # CUDA mixing kernels: chunks of streams in shared memory (the pipeline's depth)
+_CTAS_PER_SM = 2  # CUDA: resident mixes CTAs per H200 SM (shared memory: 86 KB each at 2 stages)
 
 
 # ------------------------------------------------------------------------------------- refs
@@ -642,11 +646,15 @@ def _cuda_mixes_prim_func(kind, dtype, m, D):
         # pieces of each row, K * 64 contiguous bytes, instead of 64 bytes 10 KB apart.
         with T.Kernel(splits, T.ceildiv(N, TB), threads=_MIX_THREADS) as (bk, bt):
             tx = T.get_thread_binding()
-            # the chunks' streams in two stages; token stride (m + 1) * DC values for every kind
+            # the chunks' streams in _STAGES stages; token stride (m + 1) * DC values for every kind
             # (bf16: 320 B) keeps the 16-byte accesses of 8 lanes (two tokens) on distinct banks
-            St = T.alloc_shared((2, TB, m + 1, DC), dtype)
-            issue_streams(B, St, 0, bt, tx, bk * DC)
-            T.ptx_commit_group()
+            St = T.alloc_shared((_STAGES, TB, m + 1, DC), dtype)
+            for s in range(_STAGES - 1):  # the prologue: chunks 0 .. _STAGES - 2 in flight
+                if s == 0:  # (a Python test: every CTA has chunk 0)
+                    issue_streams(B, St, s, bt, tx, bk * DC)
+                elif s < nch:
+                    issue_streams(B, St, s, bt, tx, (s * splits + bk) * DC)
+                T.ptx_commit_group()
             Co = T.alloc_shared((TB, ncf), "float32")  # per-token post, comb, pre_delayed
             xl = T.alloc_local((U, len(rows), vec), dtype)  # the chunk's streams (and y)
             ol = T.alloc_local((m, vec), dtype)  # h_new as stored
@@ -682,17 +690,17 @@ def _cuda_mixes_prim_func(kind, dtype, m, D):
             for ch in T.serial(nch):
                 d0 = (ch * splits + bk) * DC
                 T.sync_threads()  # the previous chunk's GEMM has read As/Bs and its St stage
-                if ch + 1 < nch:
-                    issue_streams(B, St, (ch + 1) % 2, bt, tx, d0 + splits * DC)
-                T.ptx_commit_group()  # (empty in the last chunk: the wait below stays uniform)
+                if ch + _STAGES - 1 < nch:
+                    issue_streams(B, St, (ch + _STAGES - 1) % _STAGES, bt, tx, d0 + (_STAGES - 1) * splits * DC)
+                T.ptx_commit_group()  # (empty near the end: the wait below stays uniform)
                 load_fn(B, fl, tx, d0)
-                T.ptx_wait_group(1)  # this thread's copies of chunk ch have landed
+                T.ptx_wait_group(_STAGES - 1)  # this thread's copies of chunk ch have landed
                 T.sync_threads()  # and everyone's
                 for u in T.unroll(U):
                     it = u * _MIX_THREADS + tx
                     for r in T.unroll(len(rows)):
                         for e in T.vectorized(vec):
-                            xl[u, r, e] = St[ch % 2, it // ipr, r, it % ipr * vec + e]
+                            xl[u, r, e] = St[ch % _STAGES, it // ipr, r, it % ipr * vec + e]
                 for u in T.unroll(U):
                     it = u * _MIX_THREADS + tx
                     t = bt * TB + it // ipr
