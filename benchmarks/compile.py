@@ -124,7 +124,9 @@ def measure(name: str, model: Transformer, a: argparse.Namespace, gen: torch.Gen
     """Prefill and decode rates of one variant into `out`.
 
     Two phases: a first pass over every workload (it compiles; its time is reported), then, inside
-    the `timing()` context, the timed passes. Results are printed and saved as they come."""
+    the `timing()` context, the copy bandwidth and matmul rate (`out["hardware"]`: measured while no
+    sibling compiles or builds a model on the device) and the timed passes. Results are printed and
+    saved as they come."""
     torch._dynamo.reset()
     run = make_variant(name, model)
     vocab = model.args.vocab_size
@@ -174,6 +176,8 @@ def measure(name: str, model: Transformer, a: argparse.Namespace, gen: torch.Gen
         except Exception as err:                            # noqa: BLE001 - a compiler failure is a result
             failed(key, err)
     with timing():                              # phase 2: measure
+        out["hardware"] = hardware(a)
+        save()
         for key, seed, fn, tokens in workloads:
             if key not in ready:
                 continue
@@ -293,6 +297,8 @@ def run_parallel(a: argparse.Namespace, argv: list[str]) -> dict:
     record["rows"] = [records[v]["rows"][0] if v in records else
                       {"variant": v, "error": "nothing recorded (stopped, or failed early: see the log)"}
                       for v in a.variants]
+    if "decode_weight_bytes" in record:    # (else every child failed before building its model)
+        set_ceilings(record, a)
     record["parallel"] = True
     return record
 
@@ -370,22 +376,12 @@ def run_variants(a: argparse.Namespace) -> dict:
                         max_seq_len=max(args.max_seq_len, need))
     model = dsv41c.build_model(args, seed=a.seed, dtype=DTYPES[a.dtype], kv_quant=a.kv_quant, device=a.device)
     gen = torch.Generator().manual_seed(a.seed)
-    with device_lock(lock_file(a)):
-        copy_bps, flops = copy_bandwidth(a.device), matmul_rate(a.device, DTYPES[a.dtype])
     device_name = torch.cuda.get_device_name() if a.device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    print(f"{a.config} on {device_name}, {a.dtype}, kv_quant={a.kv_quant}, torch {torch.__version__}; "
-          f"copy {copy_bps / 1e9:.1f} GB/s, matmul {flops / 1e12:.2f} TFLOP/s", flush=True)
-    ceilings = {}
-    _, active = weight_bytes(model, 1)
-    if a.prefill_len:
-        ceilings["prefill_tok_s"] = flops / (2 * active)
-    for b in a.batches:
-        ceilings[f"decode_b{b}_tok_s"] = b * copy_bps / weight_bytes(model, b)[0]
-        if a.long_context:      # the same weight-only bound: the KV bytes a step reads are not counted
-            ceilings[f"decode_b{b}_ctx{a.long_context}_tok_s"] = ceilings[f"decode_b{b}_tok_s"]
+    print(f"{a.config} on {device_name}, {a.dtype}, kv_quant={a.kv_quant}, torch {torch.__version__}", flush=True)
     record = {"config": str(a.config), "device": device_name, "dtype": a.dtype, "kv_quant": a.kv_quant,
               "torch": torch.__version__, "date": datetime.date.today().isoformat(),
-              "copy_bytes_per_s": copy_bps, "matmul_flop_per_s": flops, "ceilings_tok_s": ceilings,
+              "active_params": weight_bytes(model, 1)[1],
+              "decode_weight_bytes": {str(b): weight_bytes(model, b)[0] for b in a.batches},
               "prefill_len": a.prefill_len, "decode_prompt": a.decode_prompt, "decode_steps": a.decode_steps,
               "long_context": a.long_context,
               "batches": a.batches, "rows": []}
@@ -401,7 +397,36 @@ def run_variants(a: argparse.Namespace) -> dict:
         measure(name, model, a, gen, record["rows"][-1], save, timing)
         print(f"  {name}: done ({record['rows'][-1]['first_pass_s']:.0f} s first pass, compiles included)",
               flush=True)
+    set_ceilings(record, a)
     return record
+
+
+def hardware(a: argparse.Namespace) -> dict:
+    """The device's copy bandwidth and matmul rate, measured now (callers hold the device lock)."""
+    hw = {"copy_bytes_per_s": copy_bandwidth(a.device), "matmul_flop_per_s": matmul_rate(a.device, DTYPES[a.dtype])}
+    print(f"  copy {hw['copy_bytes_per_s'] / 1e9:.1f} GB/s, matmul {hw['matmul_flop_per_s'] / 1e12:.2f} TFLOP/s",
+          flush=True)
+    return hw
+
+
+def set_ceilings(record: dict, a: argparse.Namespace) -> None:
+    """The record's ceilings from the best copy bandwidth and matmul rate its variants measured in
+    their timing phases (each is a measurement of the same device; the best is the least disturbed);
+    measured here if no variant got that far."""
+    measured = [r["hardware"] for r in record["rows"] if r.get("hardware")]
+    if not measured:
+        with device_lock(lock_file(a)):
+            measured = [hardware(a)]
+    copy_bps = max(h["copy_bytes_per_s"] for h in measured)
+    flops = max(h["matmul_flop_per_s"] for h in measured)
+    ceilings = {}
+    if a.prefill_len:
+        ceilings["prefill_tok_s"] = flops / (2 * record["active_params"])
+    for b in a.batches:
+        ceilings[f"decode_b{b}_tok_s"] = b * copy_bps / record["decode_weight_bytes"][str(b)]
+        if a.long_context:      # the same weight-only bound: the KV bytes a step reads are not counted
+            ceilings[f"decode_b{b}_ctx{a.long_context}_tok_s"] = ceilings[f"decode_b{b}_tok_s"]
+    record.update(copy_bytes_per_s=copy_bps, matmul_flop_per_s=flops, ceilings_tok_s=ceilings)
 
 
 def write_json(path: Path, record: dict) -> None:
@@ -451,7 +476,9 @@ def print_table(record: dict, variants: list[str]) -> None:
         print(f"(decode at {record['long_context']}: caches filled with synthetic values, no prefill)")
     if record.get("parallel"):
         print("(--parallel: one process per compiled variant; compiles overlapped, timed passes one variant "
-              "at a time after all compiles; eager and the ceilings measured after the children exited)")
+              "at a time after all compiles; eager measured after the children exited)")
+    print(f"(ceilings from the best of the variants' copy and matmul measurements, each taken at the start of "
+          f"its timed passes: {record['copy_bytes_per_s'] / 1e9:.0f} GB/s, {record['matmul_flop_per_s'] / 1e12:.1f} TFLOP/s)")
 
 
 if __name__ == "__main__":

@@ -79,6 +79,8 @@ def export_command(
         task = progress.add_task("", total=stages)
 
         def stage(what: str) -> None:
+            if not err.is_terminal:             # a log (no live display): one line per stage, with the time so far
+                err.print(f"[{time.perf_counter() - t0:5.0f} s] {what}", highlight=False, soft_wrap=True)
             if progress.tasks[0].description:
                 progress.advance(task)
             progress.update(task, description=what)

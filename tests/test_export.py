@@ -74,6 +74,17 @@ def failure_text(stderr: str) -> str:
     return "\n".join(errors[:20]) + "\n...\n" + "\n".join(lines[-25:])
 
 
+def load_and_generate_in_a_fresh_process(artifact: Path) -> dict:
+    """LOAD_AND_GENERATE's result, run in a new interpreter (in the artifact's parent directory, so a
+    source checkout cannot shadow the installed package), with faulthandler on: a crash in native
+    code still names the Python line it came from."""
+    proc = subprocess.run([sys.executable, "-X", "faulthandler", "-c", LOAD_AND_GENERATE, str(artifact), PROMPT,
+                           str(NEW_TOKENS)], capture_output=True, text=True, cwd=Path(artifact).parent,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    assert proc.returncode == 0, failure_text(proc.stderr)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def copy_of(artifact: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(artifact, tmp_path / "copy"))
 
@@ -133,10 +144,7 @@ def test_one_decode_program_covers_both_parities_of_a_ratio_2_model():
 # ------------------------------------------------------------------------------ loading
 def test_a_fresh_process_generates_the_eager_greedy_tokens(exported):
     model, artifact = exported
-    proc = subprocess.run([sys.executable, "-c", LOAD_AND_GENERATE, str(artifact), PROMPT, str(NEW_TOKENS)],
-                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
-    assert proc.returncode == 0, failure_text(proc.stderr)
-    loaded = json.loads(proc.stdout.strip().splitlines()[-1])
+    loaded = load_and_generate_in_a_fresh_process(artifact)
     assert loaded["compiled_graphs"] == 0                     # nothing traced or compiled at load
     assert loaded["new_ids"] == generate(model, loaded["ids"], NEW_TOKENS).new_ids
 
@@ -300,6 +308,20 @@ def test_export_refuses_a_non_empty_out_dir_before_any_work(tmp_path):
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep"]
 
 
+def test_export_logs_one_line_per_stage_when_not_on_a_terminal(monkeypatch, tmp_path):
+    """In a log file (no live progress bar) each stage is a line with the seconds so far, as it
+    starts: a long export shows where it is."""
+    def stop_after_one_stage(model, out, *args, on_stage, **kwargs):
+        on_stage("compiling prefill.pt2")
+        raise InputError("stopped by the test")
+    monkeypatch.setattr(dsv41c, "export", stop_after_one_stage)
+    result = CliRunner().invoke(app, ["export", "--config", str(ROOT / "configs" / "tiny.json"),
+                                      "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2 and "stopped by the test" in result.output, result.output
+    stages = [m.group(1) for m in re.finditer(r"^\[\s*\d+ s\] (.*)$", result.output, re.M)]
+    assert stages == [f"building {ROOT / 'configs' / 'tiny.json'} (seed 0)", "compiling prefill.pt2"], result.output
+
+
 def test_without_a_grouped_mm_shim_the_experts_are_not_traced_through_grouped_gemms(monkeypatch, tmp_path):
     """A torch whose AOTInductor lacks the device's `_grouped_mm` C shim (torch 2.11 on CUDA) gets
     the experts traced through MoE's non-grouped path, with a warning; the flag is restored after, and a
@@ -359,10 +381,7 @@ def test_an_export_with_every_pass_generates_the_eager_tokens(tmp_path):
     assert m["model"]["kv_storage"] == "packed"
     assert {"mhc_post_pre", "fp4_e4m3_quant", "mxfp4_dequant"} <= set(m["custom_ops"]), m["custom_ops"]
     assert all(p["pass_matches"]["lower_mhc"] > 0 and p["pass_matches"]["fp4_kv"] > 0 for p in m["programs"])
-    proc = subprocess.run([sys.executable, "-c", LOAD_AND_GENERATE, str(artifact), PROMPT, str(NEW_TOKENS)],
-                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
-    assert proc.returncode == 0, failure_text(proc.stderr)
-    loaded = json.loads(proc.stdout.strip().splitlines()[-1])
+    loaded = load_and_generate_in_a_fresh_process(artifact)
     assert loaded["new_ids"] == generate(model, loaded["ids"], NEW_TOKENS).new_ids
 
 
@@ -379,10 +398,7 @@ def test_a_cuda_export_with_every_pass_generates_the_eager_tokens(tmp_path):
     m = manifest_of(artifact)
     assert m["device"]["type"] == "cuda" and m["device"]["arch"].startswith("sm_")
     assert {"mhc_post_pre", "fp4_e4m3_quant"} <= set(m["custom_ops"]), m["custom_ops"]
-    proc = subprocess.run([sys.executable, "-c", LOAD_AND_GENERATE, str(artifact), PROMPT, str(NEW_TOKENS)],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, failure_text(proc.stderr)
-    loaded = json.loads(proc.stdout.strip().splitlines()[-1])
+    loaded = load_and_generate_in_a_fresh_process(artifact)
     assert loaded["compiled_graphs"] == 0
     assert loaded["new_ids"] == generate(model, loaded["ids"], NEW_TOKENS).new_ids
 
@@ -403,10 +419,7 @@ def test_a_bf16_cuda_export_with_engram_loads_in_a_fresh_process(tmp_path):
     raw.update(CUT, engram_layer_ids=[0], engram_num_embeddings=[1000])
     model = dsv41c.build_model(dsv41c.ModelArgs.from_dict(raw), seed=0, dtype=torch.bfloat16, device="cuda")
     artifact = dsv41c.export(model, tmp_path / "artifact", max_prompt_len=MAX_PROMPT)
-    proc = subprocess.run([sys.executable, "-c", LOAD_AND_GENERATE, str(artifact), PROMPT, str(NEW_TOKENS)],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert proc.returncode == 0, failure_text(proc.stderr)
-    loaded = json.loads(proc.stdout.strip().splitlines()[-1])
+    loaded = load_and_generate_in_a_fresh_process(artifact)
     assert loaded["compiled_graphs"] == 0 and len(loaded["new_ids"]) == NEW_TOKENS
     grouped = importlib.import_module("dsv41c.export").aoti_has_shim("_grouped_mm", "cuda")
     for m in model.modules():
