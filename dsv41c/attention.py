@@ -245,7 +245,9 @@ class Indexer(nn.Module):
         block = pad_to(block, self.topk_blocks)
         top = top_indices(block, self.topk_blocks)
         keep = torch.zeros_like(block, dtype=torch.bool).scatter(-1, top, True) & (block > float("-inf"))
-        return keep[..., :n_blocks].repeat_interleave(bs, dim=-1)[..., :n]
+        # entry t keeps its block's flag; a gather rather than repeat_interleave and a cut to n, whose
+        # contiguity depends on n % bs: a traced decode step would guard on it and recompile
+        return keep[..., torch.arange(n, device=scores.device) // bs]
 
 
 # ------------------------------------------------------------------------------------ attention

@@ -86,3 +86,25 @@ def test_decode_far_beyond_the_compiled_positions_reuses_the_graph():
         assert torch.equal(out, ref) and out.isfinite().all(), p
     assert counter.frame_count == graphs
     torch._dynamo.reset()
+
+
+def test_batched_bf16_decode_is_one_graph_from_the_first_positions_to_far_ones():
+    """Batch 2, bf16 (the deployment setting): from a 5-token prompt (fewer compressed rows than
+    index_topk, entry counts both multiples of the candidate block and not) to positions far past
+    both, one decode graph. (The candidate entry mask was once a cut [..., :n] of the repeated block
+    flags, non-contiguous unless n % block == 0: batched decode guarded on that and compiled a
+    second graph.)"""
+    args = dsv41c.ModelArgs.from_json(TINY).replace(max_seq_len=1024, max_batch_size=2)
+    model = dsv41c.build_model(args, seed=0, dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    fn = torch.compile(model.forward, backend=counter, fullgraph=True, dynamic=True)
+    model(torch.randint(0, 259, (2, 5)), 0)
+    token = torch.full((2, 1), 7)
+    for p in range(5, 9):
+        fn(token, p)
+    model.cache.fill_synthetic(seed=3, vocab_size=args.vocab_size)
+    for p in (1000, 1001):
+        fn(token, p)
+    assert counter.frame_count == 1
+    torch._dynamo.reset()
