@@ -95,7 +95,10 @@ def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     width, so prefill and prefill+decode select the same entries.
     """
     if scores.dtype == torch.float32:
-        return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+        order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+        # the first k by a gather: a cut [..., :k] is contiguous only where the width is k, and a
+        # traced batched decode step would guard on the width reaching k
+        return order.index_select(-1, torch.arange(k, device=scores.device))
     return scores.topk(k, dim=-1, sorted=False).indices
 
 
