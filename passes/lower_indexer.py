@@ -237,8 +237,7 @@ class _Rewrite:
         return outs[0]
 
     def _mask_output(self, site: Site, out: torch.Tensor) -> fx.Node:
-        """The candidate source's entry mask: its one bool [B,S,*] value read outside it (the
-        entries n, or all nb * 8 where the graph is specialised to n % 8 == 0 and the cut is gone)."""
+        """The candidate source's entry mask: its one bool [B,S,n] value read outside it."""
         outs = [o for o in site.outputs if _val(o) is not None and _val(o).dtype == torch.bool
                 and _val(o).dim() == 3 and str(tuple(_val(o).shape[:2])) == str(tuple(out.shape[:2]))
                 and any(u not in site.nodes for u in o.users)]
