@@ -51,8 +51,8 @@ CUDA (sm_90a: wgmma needs the arch-specific target).
      flight while chunk c is computed and multiplied, and fn's loads are issued before chunk c's
      compute and used after it (155 registers, 86 KB of shared memory: 2 CTAs per SM, bf16).
      Three stages (two chunks in flight, 106 KB, still 2 CTAs per SM) measured no faster, and one
-     CTA per SM with five stages much slower (BENCHMARKS.md): the per-CTA chain of loads, compute,
-     barriers and GEMM per chunk limits it, not the bytes in flight.  (Loading
+     CTA per SM with five stages much slower (BENCHMARKS.md): not the bytes in flight but, most
+     likely, each CTA's serial chain per chunk (wait, compute, barriers, GEMM) limits it.  (Loading
      straight into registers with no overlap inside a CTA, 3 CTAs per SM, measured 36% / 51% of
      the bound at T = 4096 / 65536 on an H200 against this one's 41% / 47%: BENCHMARKS.md.)
   2. `finalize`: 16 lanes per token (m = 4), one comb entry each: each lane sums its coefficient's
