@@ -81,7 +81,7 @@ def load_and_generate_in_a_fresh_process(artifact: Path) -> dict:
     proc = subprocess.run([sys.executable, "-X", "faulthandler", "-c", LOAD_AND_GENERATE, str(artifact), PROMPT,
                            str(NEW_TOKENS)], capture_output=True, text=True, cwd=Path(artifact).parent,
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
-    assert proc.returncode == 0, failure_text(proc.stderr)
+    assert proc.returncode == 0, f"exit status {proc.returncode}\n" + failure_text(proc.stderr)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
