@@ -11,6 +11,8 @@ run left (a restart on the same machine).
 
 Without --artifact, the config is exported first into a temp directory (minutes on a CPU core),
 for --device with --dtype (the artifact given must match them). On CPU each process runs one thread.
+--paths picks some of the paths (artifact, compile, eager), so that a large config's paths can run
+on two GPUs of one host at once; without the artifact path nothing is exported.
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+PATHS = ("artifact", "compile", "eager")
 
 CHILD = r"""
 import time, sys, json
@@ -64,14 +68,19 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=24)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--paths", default=",".join(PATHS),
+                        help=f"comma-separated, of {', '.join(PATHS)} (default: all)")
     opts = parser.parse_args()
+    paths = [p for p in opts.paths.split(",") if p]
+    if not paths or set(paths) - set(PATHS):
+        parser.error(f"--paths: expected some of {', '.join(PATHS)}, found {opts.paths!r}")
     opts.config = str(Path(opts.config).resolve())
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # Every child runs in the temp directory: `python -c`/`-m` put the working directory first on
     # sys.path, and a source checkout there would shadow the installed dsv41c package.
     with tempfile.TemporaryDirectory() as tmp:
         artifact = opts.artifact and str(Path(opts.artifact).resolve())
-        if artifact is None:
+        if artifact is None and "artifact" in paths:
             artifact = str(Path(tmp) / "artifact")
             t0 = time.perf_counter()
             subprocess.run([sys.executable, "-m", "dsv41c.cli.main", "export", "--config", opts.config,
@@ -84,10 +93,11 @@ def main() -> None:
                                       ("dsv41c.compile, empty cache", "compile", cache_env),
                                       ("dsv41c.compile, warm cache", "compile", cache_env),
                                       ("eager", "eager", env)):
-            rows[name] = child(mode, opts, artifact, child_env, tmp)
-            print(f"{name}: {rows[name]}", flush=True)
+            if mode in paths:
+                rows[name] = child(mode, opts, artifact or "", child_env, tmp)
+                print(f"{name}: {rows[name]}", flush=True)
     tokens = {r["token"] for r in rows.values()}
-    base = rows["artifact (load)"]["total"]
+    base = rows["artifact (load)"]["total"] if "artifact (load)" in rows else None
     threads = ", 1 thread" if opts.device == "cpu" else ""
     agree = "agree" if len(tokens) == 1 else f"DIFFER: {tokens}"
     print(f"cold start to the first token, {opts.config} on {opts.device} ({opts.dtype}), prompt of "
@@ -95,8 +105,9 @@ def main() -> None:
     print(f"| {'path':<28} | import s | load/build+compile s | prefill s | total s | x artifact |")
     print(f"|{'-' * 30}|---------:|---------------------:|----------:|--------:|-----------:|")
     for name, r in rows.items():
+        ratio = f"{r['total'] / base:10.2f}" if base else f"{'-':>10}"
         print(f"| {name:<28} | {r['import']:8.2f} | {r['ready']:20.2f} | {r['first']:9.2f} | {r['total']:7.2f} "
-              f"| {r['total'] / base:10.2f} |")
+              f"| {ratio} |")
 
 
 if __name__ == "__main__":
