@@ -408,8 +408,6 @@ def check_a_bf16_engram_export(device: str, tmp_path: Path, grouped: bool) -> No
     load it in a fresh process, generate without compiling; its tokens are compared with eager
     through the same expert path (bf16 fusions may round otherwise, so agreement is reported, not
     required)."""
-    import importlib
-
     from dsv41c.moe import Experts
 
     raw = json.loads((ROOT / "configs" / "tiny.json").read_text())
