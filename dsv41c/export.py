@@ -48,6 +48,9 @@ import json
 import math
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 import time
 import warnings
@@ -369,6 +372,8 @@ def export(model: Transformer, out: str | os.PathLike, passes: Sequence[str] | N
             custom_ops |= set(_custom_ops(tmp / spec.file))
             stage(f"moving the weights of {spec.file} into {WEIGHTS_FILE}")
             spec.constants = take_weights(tmp / spec.file, weights)
+        stage("loading the packages in a fresh process")
+        check_packages_load(tmp, [spec.file for spec in specs], sorted(custom_ops), model.device)
         stage(f"writing {WEIGHTS_FILE}, the tokenizer and the manifest")
         safetensors.torch.save_file(weights.tensors, str(tmp / WEIGHTS_FILE))
         del weights
@@ -386,6 +391,40 @@ def export(model: Transformer, out: str | os.PathLike, passes: Sequence[str] | N
         for m in experts:
             m.__dict__.pop("grouped_gemm", None)       # back to the class default
     return out
+
+
+# The loader's side of `check_packages_load`: argv = root, device index, custom ops (comma-separated), files.
+_LOAD_CHECK = """
+import sys
+from pathlib import Path
+import torch
+from dsv41c.export import _register_custom_ops
+root, index, ops, files = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4:]
+_register_custom_ops(root, [op for op in ops.split(",") if op])
+for f in files:
+    print(f, flush=True)
+    torch._inductor.aoti_load_package(str(root / f), device_index=index)
+"""
+
+
+def check_packages_load(root: Path, files: list[str], custom_ops: list[str], device: torch.device) -> None:
+    """Load each package (its compiled library, without constants) in a new interpreter, so that a
+    package which crashes the loader fails the export with a message instead of being shipped. Seen
+    on an H200 with torch 2.11: CUDA packages of some graphs segfault inside AOTInductor's package
+    loader (`AOTIModelPackageLoader`), with or without their constants in the library."""
+    index = device.index if device.type == "cuda" and device.index is not None else -1
+    cmd = [sys.executable, "-X", "faulthandler", "-c", _LOAD_CHECK, str(root), str(index), ",".join(custom_ops), *files]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root)
+    if proc.returncode == 0:
+        return
+    reached = proc.stdout.split()
+    culprit = reached[-1] if reached else files[0]
+    status = (f"killed by {signal.Signals(-proc.returncode).name}" if proc.returncode < 0
+              else f"exit status {proc.returncode}")
+    tail = [line for line in proc.stderr.strip().splitlines() if line.strip()][-6:]
+    raise ArtifactError(f"export: AOTInductor's loader fails on the package {culprit} it built ({status}); "
+                        f"nothing was written. torch {torch.__version__}, {target_of(device)}. Its last "
+                        f"words:\n" + "\n".join(tail))
 
 
 def aoti_has_shim(op: str, device_type: str) -> bool:

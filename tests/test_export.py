@@ -61,7 +61,8 @@ def exported(tmp_path_factory):
     stages = []
     out = dsv41c.export(model, tmp_path_factory.mktemp("export") / "artifact", DEFAULT_PASSES, strict=True,
                         max_prompt_len=MAX_PROMPT, source={"seed": 0}, on_stage=stages.append)
-    assert len(stages) == 7 and stages[-1].startswith("writing"), stages
+    assert len(stages) == 8 and stages[-2] == "loading the packages in a fresh process", stages
+    assert stages[-1].startswith("writing"), stages
     return model, out
 
 
@@ -213,6 +214,28 @@ def test_a_tampered_file_is_refused_naming_it(exported, tmp_path, name):
     (art / name).write_bytes(bytes(data))
     with pytest.raises(ArtifactError, match=rf"{re.escape(name)}: sha256 mismatch"):
         load_artifact(art)
+
+
+def test_a_package_the_loader_fails_on_fails_the_export_naming_it(exported, tmp_path, monkeypatch):
+    """The export's last check loads every package in a fresh process (constants aside): a package
+    whose library does not load, or a loader that crashes, is an ArtifactError naming the package and
+    how the loader ended, not an artifact that crashes where it is deployed."""
+    import importlib
+    ex = importlib.import_module("dsv41c.export")
+    art = copy_of(exported[1], tmp_path)
+    files = ["prefill.pt2", "decode.pt2"]
+    ex.check_packages_load(art, files, [], torch.device("cpu"))        # the exported packages load
+    with zipfile.ZipFile(art / "decode.pt2") as z:
+        entries = [(i, z.read(i)) for i in z.infolist()]
+    with zipfile.ZipFile(art / "decode.pt2", "w") as z:
+        for info, data in entries:
+            z.writestr(info, b"not a shared library" if info.filename.endswith(".so") else data)
+    with pytest.raises(ArtifactError, match=r"fails on the package decode\.pt2 it built \(exit status 1\)"):
+        ex.check_packages_load(art, files, [], torch.device("cpu"))
+    monkeypatch.setattr(ex, "_LOAD_CHECK", "import os, signal, sys\nprint(sys.argv[4], flush=True)\n"
+                                           "os.kill(os.getpid(), signal.SIGSEGV)")
+    with pytest.raises(ArtifactError, match=r"package prefill\.pt2 it built \(killed by SIGSEGV\)"):
+        ex.check_packages_load(art, files, [], torch.device("cpu"))
 
 
 def test_a_manifest_constant_that_names_no_stored_tensor_is_refused(exported, tmp_path):
