@@ -12,7 +12,9 @@ run left (a restart on the same machine).
 Without --artifact, the config is exported first into a temp directory (minutes on a CPU core),
 for --device with --dtype (the artifact given must match them). On CPU each process runs one thread.
 --paths picks some of the paths (artifact, compile, eager), so that a large config's paths can run
-on two GPUs of one host at once; without the artifact path nothing is exported.
+on two GPUs of one host at once; without the artifact path nothing is exported. --passes and
+--kv-quant set the pass pipeline and the KV numerics of both the export and the compile (eager runs
+with the same --kv-quant), so the artifact and the compile run the same program.
 """
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from dsv41c.compiler import DEFAULT_PASSES
+
 PATHS = ("artifact", "compile", "eager")
 
 CHILD = r"""
@@ -32,8 +36,8 @@ import time, sys, json
 t0 = time.perf_counter()
 import torch
 import dsv41c
-mode, config, artifact, n, device, dtype = sys.argv[1:7]
-n = int(n)
+mode, config, artifact, n, device, dtype, passes, kv_quant = sys.argv[1:9]
+n, passes, kv_quant = int(n), tuple(p for p in passes.split(",") if p), kv_quant == "1"
 if device == "cpu":
     torch.set_num_threads(1)
 ids = torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(0))
@@ -42,9 +46,9 @@ if mode == "artifact":
     model = dsv41c.load_artifact(artifact)
 else:
     model = dsv41c.build_model(dsv41c.ModelArgs.from_json(config), seed=0, dtype=getattr(torch, dtype),
-                               device=device)
+                               device=device, kv_quant=kv_quant)
     if mode == "compile":
-        model = dsv41c.compile(model)
+        model = dsv41c.compile(model, passes)
 t_ready = time.perf_counter()
 token = int(model(ids, 0).argmax(-1))        # reads the token back: the device has finished
 t_first = time.perf_counter()
@@ -55,7 +59,8 @@ print(json.dumps({"import": t_import - t0, "ready": t_ready - t_import, "first":
 
 def child(mode: str, opts: argparse.Namespace, artifact: str, env: dict, cwd: str) -> dict:
     proc = subprocess.run([sys.executable, "-c", CHILD, mode, opts.config, artifact, str(opts.prompt_len),
-                           opts.device, opts.dtype], capture_output=True, text=True, env=env, cwd=cwd)
+                           opts.device, opts.dtype, ",".join(opts.passes), str(int(opts.kv_quant))],
+                          capture_output=True, text=True, env=env, cwd=cwd)
     if proc.returncode:
         sys.exit(f"{mode} run failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -70,7 +75,12 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--paths", default=",".join(PATHS),
                         help=f"comma-separated, of {', '.join(PATHS)} (default: all)")
+    parser.add_argument("--passes", default=",".join(DEFAULT_PASSES),
+                        help="comma-separated pass pipeline of the export and the compile (default: %(default)s)")
+    parser.add_argument("--kv-quant", action=argparse.BooleanOptionalAction, default=False,
+                        help="KV quantisation numerics (fp4_kv needs it)")
     opts = parser.parse_args()
+    opts.passes = [p for p in opts.passes.split(",") if p]
     paths = [p for p in opts.paths.split(",") if p]
     if not paths or set(paths) - set(PATHS):
         parser.error(f"--paths: expected some of {', '.join(PATHS)}, found {opts.paths!r}")
@@ -84,8 +94,9 @@ def main() -> None:
             artifact = str(Path(tmp) / "artifact")
             t0 = time.perf_counter()
             subprocess.run([sys.executable, "-m", "dsv41c.cli.main", "export", "--config", opts.config,
-                            "--out", artifact, "--device", opts.device, "--dtype", opts.dtype], check=True, env=env,
-                           cwd=tmp)
+                            "--out", artifact, "--device", opts.device, "--dtype", opts.dtype,
+                            "--kv-quant" if opts.kv_quant else "--no-kv-quant",
+                            *(a for name in opts.passes for a in ("--pass", name))], check=True, env=env, cwd=tmp)
             print(f"export: {time.perf_counter() - t0:.0f} s", flush=True)
         cache_env = {**env, "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "inductor-cache")}
         rows = {}
@@ -100,8 +111,9 @@ def main() -> None:
     base = rows["artifact (load)"]["total"] if "artifact (load)" in rows else None
     threads = ", 1 thread" if opts.device == "cpu" else ""
     agree = "agree" if len(tokens) == 1 else f"DIFFER: {tokens}"
-    print(f"cold start to the first token, {opts.config} on {opts.device} ({opts.dtype}), prompt of "
-          f"{opts.prompt_len} tokens{threads}, fresh process each; first tokens {agree}")
+    print(f"cold start to the first token, {opts.config} on {opts.device} ({opts.dtype}, kv_quant={opts.kv_quant}, "
+          f"passes {','.join(opts.passes) or 'none'}), prompt of {opts.prompt_len} tokens{threads}, fresh process "
+          f"each; first tokens {agree}")
     print(f"| {'path':<28} | import s | load/build+compile s | prefill s | total s | x artifact |")
     print(f"|{'-' * 30}|---------:|---------------------:|----------:|--------:|-----------:|")
     for name, r in rows.items():

@@ -1,9 +1,6 @@
 """`dsv41c compile`: compile a config's model with the pass pipeline and report what the passes did."""
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 import time
 from contextlib import nullcontext
 from enum import Enum
@@ -19,7 +16,7 @@ from rich.table import Table
 import dsv41c
 from dsv41c.compiler import BACKENDS, DEFAULT_PASSES, CompiledModel, GraphSnapshot
 from dsv41c.errors import InputError
-from dsv41c.export import check_out_dir
+from dsv41c.export import built_in_place, check_out_dir
 from dsv41c.golden import relative_error
 
 Backend = Enum("Backend", {b: b for b in BACKENDS}, type=str)
@@ -170,18 +167,10 @@ def rates_table(eager: tuple[float, float], compiled: tuple[float, float], backe
 def write_graphs(path: Path, snapshots: list[GraphSnapshot], labels: dict[int, str]) -> None:
     """`graph<g>_<k>_<stage>.py` per snapshot, written into a temp directory beside DIR and renamed
     into place, so DIR is either complete or absent."""
-    tmp = Path(tempfile.mkdtemp(dir=path.absolute().parent, prefix=f".{path.name}."))
-    try:
+    with built_in_place(path) as tmp:
         stage_index: dict[int, int] = {}
         for s in snapshots:
             k = stage_index[s.graph] = stage_index.get(s.graph, -1) + 1
             stage = "as_traced" if s.stage == "input" else f"after_{s.stage}"
             header = f"# graph {s.graph} ({labels.get(s.graph, '?')}), {stage.replace('_', ' ')}: {s.counts}\n"
             (tmp / f"graph{s.graph}_{k}_{stage}.py").write_text(header + (s.code or ""), encoding="utf-8")
-        tmp.chmod(0o755)
-        if path.is_dir():
-            path.rmdir()                        # empty (checked): replaced by the complete one
-        os.rename(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise

@@ -42,6 +42,7 @@ the artifact's bounds; `load_artifact` refuses a call outside them (the packages
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -309,6 +310,22 @@ def check_out_dir(path: Path, option: str = "--out") -> None:
         raise InputError(f"{option} {path}: the parent directory {parent} is not writable")
 
 
+@contextlib.contextmanager
+def built_in_place(path: Path):
+    """A temp directory beside `path` (new or empty: see `check_out_dir`) to build it in: renamed to
+    `path` when the block ends, removed when it raises, so `path` is complete or absent."""
+    tmp = Path(tempfile.mkdtemp(dir=path.absolute().parent, prefix=f".{path.name}."))
+    try:
+        yield tmp
+        tmp.chmod(0o755)
+        if path.is_dir():
+            path.rmdir()                        # empty (checked): replaced by the complete one
+        os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def export(model: Transformer, out: str | os.PathLike, passes: Sequence[str] | None = DEFAULT_PASSES,
            strict: bool = False, *, max_prompt_len: int | None = None, source: dict | None = None,
            on_stage: Callable[[str], None] | None = None) -> Path:
@@ -335,58 +352,51 @@ def export(model: Transformer, out: str | os.PathLike, passes: Sequence[str] | N
     build_pipeline(names, strict).bind(model)
     experts = [m for m in model.modules() if isinstance(m, Experts)]
     caches = [b.detach().clone() for n, b in model.named_buffers() if n.startswith(CACHE_PREFIX)]
-    tmp = Path(tempfile.mkdtemp(dir=out.absolute().parent, prefix=f".{out.name}."))
     weights = WeightStore()
     try:
-        if experts and not aoti_has_shim("_grouped_mm", model.device.type):
-            warnings.warn(f"export: this torch's AOTInductor has no {model.device.type} C shim for _grouped_mm "
-                          f"(torch {torch.__version__}); the MoE experts are exported as the non-grouped path of "
-                          f"`MoE.forward` (one GEMM per expert, or gathered weights for few tokens): the "
-                          f"same function, slower", stacklevel=2)
-            for m in experts:
-                m.grouped_gemm = False
-        custom_ops: set[str] = set()
-        uuid = build_pipeline(names, strict).uuid()
-        for spec in specs:
-            stage(f"torch.export of {spec.file}")
-            with torch.no_grad():
-                ep, (spec.lo, spec.hi) = _export_program(model, spec, caches, max_prompt_len)
-            stage(f"AOTInductor compile of {spec.file}")
-            pipeline = build_pipeline(names, strict)
-            pipeline.bind(model)
-            options = inductor_options(pipeline)
-            # Passed by config.patch, not inductor_configs: AOTInductor deep-copies the latter, and
-            # the copy's statistics would be lost. No FX graph cache: a hit would skip the passes.
-            hook = options.pop("post_grad_custom_post_pass")
-            options.update(fx_graph_cache=False, **WEIGHTS_OUTSIDE)
-            # Triton configs are picked by running the kernels on the export's example inputs, not on
-            # random tensors: AOTInductor's compile-time autotuning feeds each kernel random values,
-            # and a gather whose index is computed upstream (the Engram hash rows) then trips
-            # Inductor's device-side bounds assert, which kills the CUDA context (seen on an H200).
-            options["triton.autotune_at_compile_time"] = False
-            with torch.no_grad(), torch._inductor.config.patch(post_grad_custom_post_pass=hook):
-                torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp / spec.file),
-                                                         inductor_configs=options)
-            spec.pass_matches = {s.name: s.matches for s in pipeline.stats.values()}
-            spec.code_sha256 = code_digest(tmp / spec.file)
-            custom_ops |= set(_custom_ops(tmp / spec.file))
-            stage(f"moving the weights of {spec.file} into {WEIGHTS_FILE}")
-            spec.constants = take_weights(tmp / spec.file, weights)
-        stage("loading the packages in a fresh process")
-        check_packages_load(tmp, [spec.file for spec in specs], sorted(custom_ops), model.device)
-        stage(f"writing {WEIGHTS_FILE}, the tokenizer and the manifest")
-        safetensors.torch.save_file(weights.tensors, str(tmp / WEIGHTS_FILE))
-        del weights
-        model.tokenizer.backend.save(str(tmp / TOKENIZER_FILE))
-        manifest = _manifest(model, specs, names, strict, uuid, sorted(custom_ops), source, target, tmp)
-        (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-        tmp.chmod(0o755)
-        if out.is_dir():
-            out.rmdir()                        # empty (checked): replaced by the complete one
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        with built_in_place(out) as tmp:
+            if experts and not aoti_has_shim("_grouped_mm", model.device.type):
+                warnings.warn(f"export: this torch's AOTInductor has no {model.device.type} C shim for _grouped_mm "
+                              f"(torch {torch.__version__}); the MoE experts are exported as the non-grouped path of "
+                              f"`MoE.forward` (one GEMM per expert, or gathered weights for few tokens): the "
+                              f"same function, slower", stacklevel=2)
+                for m in experts:
+                    m.grouped_gemm = False
+            custom_ops: set[str] = set()
+            uuid = build_pipeline(names, strict).uuid()
+            for spec in specs:
+                stage(f"torch.export of {spec.file}")
+                with torch.no_grad():
+                    ep, (spec.lo, spec.hi) = _export_program(model, spec, caches, max_prompt_len)
+                stage(f"AOTInductor compile of {spec.file}")
+                pipeline = build_pipeline(names, strict)
+                pipeline.bind(model)
+                options = inductor_options(pipeline)
+                # Passed by config.patch, not inductor_configs: AOTInductor deep-copies the latter, and
+                # the copy's statistics would be lost. No FX graph cache: a hit would skip the passes.
+                hook = options.pop("post_grad_custom_post_pass")
+                options.update(fx_graph_cache=False, **WEIGHTS_OUTSIDE)
+                # Triton configs are picked by running the kernels on the export's example inputs, not on
+                # random tensors: AOTInductor's compile-time autotuning feeds each kernel random values,
+                # and a gather whose index is computed upstream (the Engram hash rows) then trips
+                # Inductor's device-side bounds assert, which kills the CUDA context (seen on an H200).
+                options["triton.autotune_at_compile_time"] = False
+                with torch.no_grad(), torch._inductor.config.patch(post_grad_custom_post_pass=hook):
+                    torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp / spec.file),
+                                                             inductor_configs=options)
+                spec.pass_matches = {s.name: s.matches for s in pipeline.stats.values()}
+                spec.code_sha256 = code_digest(tmp / spec.file)
+                custom_ops |= set(_custom_ops(tmp / spec.file))
+                stage(f"moving the weights of {spec.file} into {WEIGHTS_FILE}")
+                spec.constants = take_weights(tmp / spec.file, weights)
+            stage("loading the packages in a fresh process")
+            check_packages_load(tmp, [spec.file for spec in specs], sorted(custom_ops), model.device)
+            stage(f"writing {WEIGHTS_FILE}, the tokenizer and the manifest")
+            safetensors.torch.save_file(weights.tensors, str(tmp / WEIGHTS_FILE))
+            del weights
+            model.tokenizer.backend.save(str(tmp / TOKENIZER_FILE))
+            manifest = _manifest(model, specs, names, strict, uuid, sorted(custom_ops), source, target, tmp)
+            (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     finally:
         for m in experts:
             m.__dict__.pop("grouped_gemm", None)       # back to the class default

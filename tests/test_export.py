@@ -448,6 +448,9 @@ def check_a_bf16_engram_export(device: str, tmp_path: Path, grouped: bool) -> No
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.xfail(raises=ArtifactError, strict=False,
+                   reason="on an H200 with torch 2.11, CUDA packages built with the default passes crash "
+                          "AOTInductor's package loader (BENCHMARKS.md, cold start); export's load check refuses them")
 def test_a_bf16_cuda_export_with_engram_loads_in_a_fresh_process(tmp_path):
     """bf16 with an Engram layer on the GPU: the configuration whose export met AOTInductor's
     compile-time autotuning (random indices into the Engram table) and, on torch 2.11, the missing
