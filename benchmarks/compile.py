@@ -43,7 +43,9 @@ from dsv41c.compiler import DEFAULT_PASSES, INDUCTOR_WORKAROUNDS
 from dsv41c.model import Transformer
 
 VARIANTS = ("eager", "torch.compile", "dsv41c.compile")
-# "dsv41c.compile+lower_mhc+fp4_kv": the default pass pipeline plus the named passes
+# "dsv41c.compile+lower_mhc+fp4_kv": the default pass pipeline plus the named passes; "+cpp_wrapper"
+# (not a pass) compiles with Inductor's C++ wrapper
+CPP_WRAPPER = "cpp_wrapper"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -107,8 +109,8 @@ def make_variant(name: str, model: Transformer):
     if name == "eager":
         return model
     if name.startswith("dsv41c.compile"):
-        extra = tuple(p for p in name.split("+")[1:])
-        return dsv41c.compile(model, passes=DEFAULT_PASSES + extra)
+        extra = tuple(p for p in name.split("+")[1:] if p != CPP_WRAPPER)
+        return dsv41c.compile(model, passes=DEFAULT_PASSES + extra, cpp_wrapper=CPP_WRAPPER in name.split("+"))
     fn = torch.compile(model.forward, fullgraph=True, dynamic=True)
 
     def plain(ids, start_pos=0, full_logits=False):   # Inductor's defaults but for dsv41c.compile's workarounds

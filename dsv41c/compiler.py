@@ -189,14 +189,15 @@ class CompiledModel:
     the rewritten graph without running the passes again; `observe` turns that cache off).
 
     observe: record `snapshots` (op counts of every graph before the passes and after each one);
-    keep_code: also keep each snapshot's readable graph code (large).
+    keep_code: also keep each snapshot's readable graph code (large); cpp_wrapper: Inductor's C++
+    wrapper instead of its Python one (fewer host microseconds per kernel launch, a longer compile).
     """
 
     def __init__(self, model: Transformer, passes: Sequence[str] | None, strict: bool, backend: str = "inductor",
-                 observe: bool = False, keep_code: bool = False):
+                 observe: bool = False, keep_code: bool = False, cpp_wrapper: bool = False):
         if backend not in BACKENDS:
             raise InputError(f"backend: expected one of {BACKENDS}, found {backend!r}")
-        self.model, self.backend = model, backend
+        self.model, self.backend, self.cpp_wrapper = model, backend, cpp_wrapper
         self.pipeline = build_pipeline(passes, strict) if passes else PassPipeline([], strict)
         self.pipeline.bind(model)
         self.observe = observe or keep_code
@@ -218,6 +219,8 @@ class CompiledModel:
         options = inductor_options(self.pipeline)
         if self.observe:                      # a cache hit would skip the passes being watched
             options["fx_graph_cache"] = False
+        if self.cpp_wrapper:
+            options["cpp_wrapper"] = True
         return options
 
     def __call__(self, input_ids: torch.Tensor, start_pos: int = 0, full_logits: bool = False,
@@ -238,9 +241,11 @@ class CompiledModel:
 
 
 def compile(model: Transformer, passes: Sequence[str] | None = DEFAULT_PASSES, strict: bool = False, *,
-            backend: str = "inductor", observe: bool = False, keep_code: bool = False) -> CompiledModel:
+            backend: str = "inductor", observe: bool = False, keep_code: bool = False,
+            cpp_wrapper: bool = False) -> CompiledModel:
     """Compile `model` (prefill and decode steps) with the named passes; strict: a pass that matches
     nothing is an error. backend: "inductor" (code generation) or "passes_only" (the rewritten aten
-    graph runs as is, see the module docstring). Graphs compile lazily, at the first call of each
-    shape class (prefill, decode, ...)."""
-    return CompiledModel(model, passes, strict, backend, observe, keep_code)
+    graph runs as is, see the module docstring); cpp_wrapper: Inductor's C++ wrapper code (launch
+    overhead; see CompiledModel). Graphs compile lazily, at the first call of each shape class
+    (prefill, decode, ...)."""
+    return CompiledModel(model, passes, strict, backend, observe, keep_code, cpp_wrapper)

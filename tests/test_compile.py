@@ -31,11 +31,12 @@ def test_golden_files_pass_compiled_with_passes_only(name):
 
 
 @pytest.mark.slow
-def test_compiled_decode_matches_eager_with_fused_projections():
+@pytest.mark.parametrize("cpp_wrapper", [False, True])
+def test_compiled_decode_matches_eager_with_fused_projections(cpp_wrapper):
     torch._dynamo.reset()
     args = dsv41c.ModelArgs.from_json(TINY)
     model, eager = dsv41c.build_model(args, seed=0), dsv41c.build_model(args, seed=0)
-    compiled = dsv41c_compile(model, strict=True)
+    compiled = dsv41c_compile(model, strict=True, cpp_wrapper=cpp_wrapper)
     ids = torch.randint(0, 259, (2, 40), generator=torch.Generator().manual_seed(0))
     model(ids, 0)                                   # eager prefill seeds the shared caches
     token = eager(ids, 0).argmax(-1, keepdim=True)
