@@ -42,6 +42,8 @@ def compile_command(
         None, "--pass", metavar="NAME", show_default=", ".join(DEFAULT_PASSES),
         help="A pass to run; repeat for several, in order."),
     strict: bool = typer.Option(False, "--strict", help="A pass that matches nothing is an error."),
+    cpp_wrapper: bool = typer.Option(False, "--cpp-wrapper",
+                                     help="Inductor's C++ wrapper: less host time per kernel launch."),
     prompt_len: Optional[int] = typer.Option(None, "--prompt-len", metavar="N", show_default="3 × window_size + 1",
                                              help="Prompt tokens of the measured prefill (batch 1)."),
     decode_steps: int = typer.Option(4, "--decode-steps", metavar="N", help="Measured decode steps."),
@@ -56,6 +58,9 @@ def compile_command(
     if not config.is_file():
         raise InputError(f"--config {config}: expected a config file, found "
                          f"{'a directory' if config.is_dir() else 'nothing'}")
+    if cpp_wrapper and backend != Backend.inductor:
+        raise InputError(f"--cpp-wrapper: generates Inductor's wrapper code; --backend {backend.value} generates none "
+                         f"(use --backend inductor)")
     if dump_graphs is not None:
         check_out_dir(dump_graphs, "--dump-graphs")
     args = dsv41c.ModelArgs.from_json(config)
@@ -70,7 +75,8 @@ def compile_command(
     with (err.status("building the model") if err.is_terminal else nullcontext()) as status:
         model = dsv41c.build_model(args, seed=seed)
         compiled = dsv41c.compile(model, tuple(passes) if passes is not None else DEFAULT_PASSES, strict,
-                                  backend=backend.value, observe=True, keep_code=dump_graphs is not None)
+                                  backend=backend.value, observe=True, keep_code=dump_graphs is not None,
+                                  cpp_wrapper=cpp_wrapper)
         ids = torch.randint(0, args.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(seed))
         calls = [(ids, 0, f"prefill of {prompt_len}")]
         token = model(ids, 0).argmax(-1, keepdim=True)           # eager: the decode steps' input tokens

@@ -236,3 +236,8 @@ def test_compile_bad_dump_dir_fails_before_compiling(tmp_path, make, fragment):
 
 def test_compile_unknown_pass_is_one_red_line():
     assert_error(compile_cli("--config", str(TINY), "--pass", "nope"), "unknown pass 'nope'")
+
+
+def test_compile_cpp_wrapper_needs_the_inductor_backend():
+    assert_error(compile_cli("--config", str(TINY), "--cpp-wrapper", "--backend", "passes_only"),
+                 "--cpp-wrapper", "--backend passes_only generates none")
