@@ -78,8 +78,17 @@ def fold_bf16_round_trips(graph: torch.fx.Graph) -> None:
     graph.eliminate_dead_code()
 
 
-@pytest.mark.parametrize("fold", [False, True], ids=["graph-as-traced", "bf16-round-trips-folded"])
-def test_bf16_streams_lower_every_site_and_stay_within_the_bf16_bound(fold):
+@pytest.mark.parametrize("fold, seed", [
+    pytest.param(False, 0, id="graph-as-traced"),
+    pytest.param(True, 0, id="bf16-round-trips-folded"),
+    # Known deviation: with these inputs the lowered decode step is 5.8% (of the largest logit) from
+    # eager bf16 and 6.3% from the fp32 twin, where eager bf16 is at 0.9%; seeds 0-2, 4 and 5 stay
+    # within 1.7% of eager. Cause not found yet (BENCHMARKS.md, mHC).
+    pytest.param(True, 3, id="bf16-round-trips-folded-known-deviation",
+                 marks=pytest.mark.xfail(strict=True, reason="lowered bf16 decode 6.3% from the fp32 twin on these "
+                                                             "inputs; cause not found yet")),
+])
+def test_bf16_streams_lower_every_site_and_stay_within_the_bf16_bound(fold, seed):
     """bf16 streams, batch 2 (a symbolic batch): the eager ops read `h.float()`, and Inductor's CSE
     leaves such upcasts shared between sites; the kernels take the stored bf16 streams. Shape
     arithmetic traced in mhc.py (batch x length) is shared by later views and belongs to no site.
@@ -91,8 +100,9 @@ def test_bf16_streams_lower_every_site_and_stay_within_the_bf16_bound(fold):
     torch._dynamo.reset()
     compiled = dsv41c.compile(model, passes=("fuse_wqa_wkv", "lower_mhc"), strict=True, backend="passes_only",
                               keep_code=True)
-    ids = torch.randint(0, args.vocab_size, (2, 12))
-    token = torch.randint(0, args.vocab_size, (2, 1))
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, args.vocab_size, (2, 12), generator=g)
+    token = torch.randint(0, args.vocab_size, (2, 1), generator=g)
     with torch._inductor.config.patch(post_grad_custom_pre_pass=fold_bf16_round_trips if fold else None):
         out = [compiled(ids, 0).float(), compiled(token, 12).float()]
     model.reset_cache()
