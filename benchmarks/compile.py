@@ -109,8 +109,9 @@ def make_variant(name: str, model: Transformer):
     if name == "eager":
         return model
     if name.startswith("dsv41c.compile"):
-        extra = tuple(p for p in name.split("+")[1:] if p != CPP_WRAPPER)
-        return dsv41c.compile(model, passes=DEFAULT_PASSES + extra, cpp_wrapper=CPP_WRAPPER in name.split("+"))
+        suffixes = name.split("+")[1:]
+        extra = tuple(p for p in suffixes if p != CPP_WRAPPER)
+        return dsv41c.compile(model, passes=DEFAULT_PASSES + extra, cpp_wrapper=CPP_WRAPPER in suffixes)
     fn = torch.compile(model.forward, fullgraph=True, dynamic=True)
 
     def plain(ids, start_pos=0, full_logits=False):   # Inductor's defaults but for dsv41c.compile's workarounds
