@@ -39,7 +39,12 @@ aten = torch.ops.aten
 # torch.compile gets them too, so the comparison stays like for like):
 # - triton.coalesce_tiling_analysis: torch 2.11's analysis asserts in tiling_utils.get_pw_red_splits
 #   on the batch-32 decode graph (dynamic shapes) on an H200.
-INDUCTOR_WORKAROUNDS = {"triton.coalesce_tiling_analysis": False}
+# - triton.autotune_at_compile_time: with the C++ wrapper (cpp_wrapper, AOTInductor) Inductor
+#   autotunes the Triton kernels while compiling, on random tensors; a gather whose index is computed
+#   upstream (the Engram hash rows, the indexer's candidate blocks) then trips Inductor's device-side
+#   bounds assert, which kills the CUDA context (seen on an H200, in export and with cpp_wrapper).
+#   Off, the configs are picked on the first real call's inputs (the Python wrapper's way).
+INDUCTOR_WORKAROUNDS = {"triton.coalesce_tiling_analysis": False, "triton.autotune_at_compile_time": False}
 
 
 def inductor_options(pipeline) -> dict:
@@ -226,6 +231,7 @@ class CompiledModel:
     def __call__(self, input_ids: torch.Tensor, start_pos: int = 0, full_logits: bool = False,
                  return_hidden: bool = False):
         self.model.check_inputs(input_ids, start_pos)          # eager-side checks (Transformer.check_inputs)
+        input_ids = input_ids.to(self.model.device)            # host ids: copied here, not inside the graph
         t0, graphs = time.perf_counter(), self.graphs
         with torch.no_grad(), \
                 torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, specialize_float=True), \

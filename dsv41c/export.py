@@ -43,6 +43,7 @@ the artifact's bounds; `load_artifact` refuses a call outside them (the packages
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import io
 import json
@@ -376,11 +377,6 @@ def export(model: Transformer, out: str | os.PathLike, passes: Sequence[str] | N
                 # the copy's statistics would be lost. No FX graph cache: a hit would skip the passes.
                 hook = options.pop("post_grad_custom_post_pass")
                 options.update(fx_graph_cache=False, **WEIGHTS_OUTSIDE)
-                # Triton configs are picked by running the kernels on the export's example inputs, not on
-                # random tensors: AOTInductor's compile-time autotuning feeds each kernel random values,
-                # and a gather whose index is computed upstream (the Engram hash rows) then trips
-                # Inductor's device-side bounds assert, which kills the CUDA context (seen on an H200).
-                options["triton.autotune_at_compile_time"] = False
                 with torch.no_grad(), torch._inductor.config.patch(post_grad_custom_post_pass=hook):
                     torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp / spec.file),
                                                              inductor_configs=options)
@@ -408,9 +404,10 @@ _LOAD_CHECK = """
 import sys
 from pathlib import Path
 import torch
-from dsv41c.export import _register_custom_ops
+from dsv41c.export import _register_custom_ops, share_libstdcxx
 root, index, ops, files = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4:]
 _register_custom_ops(root, [op for op in ops.split(",") if op])
+share_libstdcxx()
 for f in files:
     print(f, flush=True)
     torch._inductor.aoti_load_package(str(root / f), device_index=index)
@@ -420,8 +417,9 @@ for f in files:
 def check_packages_load(root: Path, files: list[str], custom_ops: list[str], device: torch.device) -> None:
     """Load each package (its compiled library, without constants) in a new interpreter, so that a
     package which crashes the loader fails the export with a message instead of being shipped. Seen
-    on an H200 with torch 2.11: CUDA packages of some graphs segfault inside AOTInductor's package
-    loader (`AOTIModelPackageLoader`), with or without their constants in the library."""
+    on an H200 with torch 2.11: CUDA packages segfaulted inside AOTInductor's package loader
+    (`AOTIModelPackageLoader`) when their library carried its own libstdc++ (`share_libstdcxx`,
+    which this check and `load_artifact` now call, is the cure for that one)."""
     index = device.index if device.type == "cuda" and device.index is not None else -1
     cmd = [sys.executable, "-X", "faulthandler", "-c", _LOAD_CHECK, str(root), str(index), ",".join(custom_ops), *files]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root)
@@ -643,6 +641,25 @@ def _check_device(root: Path, target) -> None:
                                 f"device is {here['arch']} ({here['name']}): re-export on it")
 
 
+def share_libstdcxx() -> None:
+    """Make the libstdc++ this process has loaded global (RTLD_GLOBAL), before loading a package.
+
+    A compiler that links libstdc++ statically into the package's library (seen on an H200 host:
+    a relocated GCC 13 whose driver finds only libstdc++.a) leaves a second copy of libstdc++ in it,
+    with its symbols exported. Python loads torch's libraries RTLD_LOCAL, so libstdc++.so.6 is not
+    in the global scope, and the package's library binds some of its libstdc++ references to its own
+    copy and others to libstdc++.so.6: the two disagree on the locale's facet registry, and the first
+    std::regex (AOTInductor's CUDA model constructor parses the device string with one) dies:
+    SIGSEGV in `AOTIModelPackageLoader` on the H200 with torch 2.11. With libstdc++.so.6 global,
+    every reference binds to it. A process without libstdc++.so.6 loaded has nothing to share."""
+    if sys.platform != "linux":
+        return
+    try:
+        ctypes.CDLL("libstdc++.so.6", mode=os.RTLD_GLOBAL | os.RTLD_NOLOAD)
+    except OSError:
+        pass
+
+
 def load_artifact(path: str | os.PathLike) -> Artifact:
     """Verify an exported artifact (hashes, versions, custom ops) and load its packages; nothing
     is compiled. Raises ArtifactError naming the file and what is wrong."""
@@ -654,6 +671,7 @@ def load_artifact(path: str | os.PathLike) -> Artifact:
     tokenizer = Tokenizer.from_file(root / tok["file"], bos_id=tok.get("bos_id"), pad_id=tok.get("pad_id"),
                                     noise_id=tok.get("noise_id"))
     weights = _load_weights(root, manifest)
+    share_libstdcxx()
     programs = []
     for p in manifest["programs"]:
         spec = ProgramSpec(p["phase"], p["period"], p["residue"], p["file"], p["min"], p["max"], p.get("pass_matches"),

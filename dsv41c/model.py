@@ -189,7 +189,7 @@ class Transformer(nn.Module):
         """
         self.check_inputs(input_ids, start_pos)
         b, s = input_ids.shape
-        ids = input_ids.long()
+        ids = input_ids.to(self.device).long()          # host ids (a tokenizer's) run on the model's device
         state = self.call_state(b, s, start_pos)
         hashes = None
         if self.engram_layer_ids:

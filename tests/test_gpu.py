@@ -77,3 +77,18 @@ def test_bf16_moe_grouped_gemm_on_cuda_matches_per_expert_loop():
         got = moe(x.view(1, 300, -1))[0]
     assert moe.experts.groupable(x)
     assert rel_err(got.float(), loop) < 1e-2
+
+
+def test_host_token_ids_run_on_a_cuda_model_eager_and_compiled():
+    """Token ids from a tokenizer live on the host: the model (and the compiled model, before its
+    graph) moves them to its device; tiny's Engram hash is the first to index with them."""
+    args = dsv41c.ModelArgs.from_json(CONFIGS / "tiny.json")
+    ids = torch.randint(0, 259, (1, 12), generator=torch.Generator().manual_seed(0))
+    model = dsv41c.build_model(args, seed=0, dtype=torch.float32, device="cuda")
+    with torch.no_grad():
+        want = model(ids.cuda(), 0).cpu()
+        model.reset_cache()
+        assert torch.equal(model(ids, 0).cpu(), want)
+        model.reset_cache()
+        compiled = dsv41c.compile(model, backend="passes_only")
+        assert rel_err(compiled(ids, 0).cpu(), want) < 1e-5
