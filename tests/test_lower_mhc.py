@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from conftest import THREE_KINDS, record_tiny_cut
 
 import dsv41c
@@ -78,15 +79,24 @@ def fold_bf16_round_trips(graph: torch.fx.Graph) -> None:
     graph.eliminate_dead_code()
 
 
+def bf16_cut_compiled():
+    args = dsv41c.ModelArgs.from_json(ROOT / "configs" / "tiny.json").replace(
+        **THREE_KINDS, hc_sinkhorn_iters=2, engram_layer_ids=[0, 2])
+    model = dsv41c.build_model(args, seed=0, dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    compiled = dsv41c.compile(model, passes=("fuse_wqa_wkv", "lower_mhc"), strict=True, backend="passes_only",
+                              keep_code=True)
+    return args, model, compiled
+
+
+def seeded_ids(vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (2, 12), generator=g), torch.randint(0, vocab, (2, 1), generator=g)
+
+
 @pytest.mark.parametrize("fold, seed", [
     pytest.param(False, 0, id="graph-as-traced"),
     pytest.param(True, 0, id="bf16-round-trips-folded"),
-    # Known deviation: with these inputs the lowered decode step is 5.8% (of the largest logit) from
-    # eager bf16 and 6.3% from the fp32 twin, where eager bf16 is at 0.9%; seeds 0-2, 4 and 5 stay
-    # within 1.7% of eager. Cause not found yet (BENCHMARKS.md, mHC).
-    pytest.param(True, 3, id="bf16-round-trips-folded-known-deviation",
-                 marks=pytest.mark.xfail(strict=True, reason="lowered bf16 decode 6.3% from the fp32 twin on these "
-                                                             "inputs; cause not found yet")),
 ])
 def test_bf16_streams_lower_every_site_and_stay_within_the_bf16_bound(fold, seed):
     """bf16 streams, batch 2 (a symbolic batch): the eager ops read `h.float()`, and Inductor's CSE
@@ -94,15 +104,8 @@ def test_bf16_streams_lower_every_site_and_stay_within_the_bf16_bound(fold, seed
     arithmetic traced in mhc.py (batch x length) is shared by later views and belongs to no site.
     With the round trips folded (torch 2.11's Inductor), a collapse output is an fp32 value; the
     kernel's bf16 output is upcast in its place. Prefill and one decode step of the same cut as above."""
-    args = dsv41c.ModelArgs.from_json(ROOT / "configs" / "tiny.json").replace(
-        **THREE_KINDS, hc_sinkhorn_iters=2, engram_layer_ids=[0, 2])
-    model = dsv41c.build_model(args, seed=0, dtype=torch.bfloat16)
-    torch._dynamo.reset()
-    compiled = dsv41c.compile(model, passes=("fuse_wqa_wkv", "lower_mhc"), strict=True, backend="passes_only",
-                              keep_code=True)
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, args.vocab_size, (2, 12), generator=g)
-    token = torch.randint(0, args.vocab_size, (2, 1), generator=g)
+    args, model, compiled = bf16_cut_compiled()
+    ids, token = seeded_ids(args.vocab_size, seed)
     with torch._inductor.config.patch(post_grad_custom_pre_pass=fold_bf16_round_trips if fold else None):
         out = [compiled(ids, 0).float(), compiled(token, 12).float()]
     model.reset_cache()
@@ -114,6 +117,72 @@ def test_bf16_streams_lower_every_site_and_stay_within_the_bf16_bound(fold, seed
         code = next(s for s in compiled.snapshots if s.graph == graph and s.stage == "lower_mhc").code
         assert {k: code.count(f"torch.ops.dsv41c.{k}.default(") for k in KERNELS} == want, graph
     torch._dynamo.reset()
+
+
+class TopkRecorder(TorchDispatchMode):
+    """Input and indices of every aten.topk call run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.topk.default:
+            self.calls.append((args[0].clone(), out[1].clone()))
+        return out
+
+
+def test_the_seed_3_deviation_is_one_indexer_top_k_near_tie(monkeypatch):
+    """On these inputs (seed 3) the lowered bf16 decode step, with torch 2.11's round trips folded, is
+    ~6% from eager bf16 in one sequence of two. The cause: the indexer's bf16 scores of that
+    sequence's top-8 of 13 compressed rows have a near-tie at the 8th place (eager: 2 bf16 steps
+    apart); the folded graph's scores differ from eager's by more than that margin, tie there, and
+    the top-k takes the other row. Asserted: every top-k selection of the decode step agrees with
+    eager's but one row of one call; eager's margin between the two rows swapped is within the
+    compiled-vs-eager score difference; the other sequence stays within the bf16 bound."""
+    import dsv41c.compiler as compiler
+    recorders, inner = [], compiler._post_grad_only
+
+    def recording(gm, example_inputs, **kwargs):               # the GraphModule's aten ops, run under the mode
+        run = inner(gm, example_inputs, **kwargs)
+
+        def run_recorded(boxed):
+            if not recorders:
+                return run(boxed)
+            with recorders[-1]:
+                return run(boxed)
+        run_recorded._boxed_call = True
+        return run_recorded
+
+    monkeypatch.setattr(compiler, "_post_grad_only", recording)
+    args, model, compiled = bf16_cut_compiled()
+    ids, token = seeded_ids(args.vocab_size, 3)
+    with torch._inductor.config.patch(post_grad_custom_pre_pass=fold_bf16_round_trips):
+        compiled(ids, 0)
+        recorders.append(TopkRecorder())
+        out = compiled(token, 12).float()
+    model.reset_cache()
+    model(ids, 0)
+    with TopkRecorder() as eager:
+        ref = model(token, 12).float()
+    mine = recorders[-1]
+    assert len(mine.calls) == len(eager.calls) > 0
+    flips = []
+    for (x, got), (y, want) in zip(mine.calls, eager.calls, strict=True):
+        assert got.shape == want.shape
+        rows = (got.sort(-1).values != want.sort(-1).values).any(-1).nonzero().tolist()
+        flips += [(x[tuple(r)], y[tuple(r)], set(got[tuple(r)].tolist()), set(want[tuple(r)].tolist()), r[0])
+                  for r in rows]
+    assert len(flips) == 1, f"{len(flips)} top-k rows differ from eager"
+    scores, eager_scores, picked, eager_picked, seq = flips[0]
+    (taken,), (dropped,) = picked - eager_picked, eager_picked - picked
+    margin = (eager_scores[dropped].float() - eager_scores[taken].float()).abs()
+    finite = eager_scores.isfinite()
+    disagreement = (scores[finite].float() - eager_scores[finite].float()).abs().max()
+    assert scores[taken] >= scores[dropped] and margin <= disagreement, (margin, disagreement)
+    err = (out - ref).abs().amax(-1) / ref.abs().max()
+    assert err[1 - seq] <= 2e-2 < err[seq], err
 
 
 def test_shape_arithmetic_belongs_to_no_site():
