@@ -85,7 +85,7 @@ def main() -> None:
     if not paths or set(paths) - set(PATHS):
         parser.error(f"--paths: expected some of {', '.join(PATHS)}, found {opts.paths!r}")
     opts.config = str(Path(opts.config).resolve())
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"} if opts.device == "cpu" else dict(os.environ)
     # Every child runs in the temp directory: `python -c`/`-m` put the working directory first on
     # sys.path, and a source checkout there would shadow the installed dsv41c package.
     with tempfile.TemporaryDirectory() as tmp:
