@@ -16,7 +16,7 @@ import dsv41c
 from dsv41c.cli.run import CHECKPOINT_CONFIG, TORCH_DTYPES, Device, DType, require_file, resolve_device
 from dsv41c.compiler import DEFAULT_PASSES
 from dsv41c.errors import InputError
-from dsv41c.export import check_out_dir, period_of, program_specs
+from dsv41c.export import check_out_dir, program_specs
 
 
 def register(app: typer.Typer) -> None:
@@ -71,7 +71,7 @@ def export_command(
     build_pipeline(names, strict)               # unknown pass names fail now, not after the model build
 
     err, con = Console(stderr=True), Console(highlight=False)
-    stages = 2 + 2 * len(program_specs(period_of(args)))
+    stages = 2 + 2 * len(program_specs())
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
     t0 = time.perf_counter()

@@ -166,10 +166,14 @@ class Compressor(nn.Module):
         a, s = self.wkv(x.float()), self.wgate(x.float())
         b = x.shape[0]
         if state.is_prefill:
-            groups, rem = state.seqlen // rho, state.seqlen % rho     # (no divmod: SymInt-friendly)
-            if rem:
-                cache.group_kv[:b, :rem] = a[:, groups * rho:]
-                cache.group_score[:b, :rem] = s[:, groups * rho:]
+            groups = state.seqlen // rho
+            # The open group's tokens go to their slots (position % rho) of the group buffer. Written
+            # as the last rho positions (clamped at 0), whatever the remainder: a slot of a completed
+            # group is stale, as in decode, and is overwritten before its group's entry is seen; a
+            # copy of remainder-many rows would guard on the remainder being 0 (one graph per residue).
+            last = (torch.arange(rho, device=x.device) + (state.seqlen - rho)).clamp(min=0)
+            cache.group_kv[:b].index_copy_(1, last % rho, a.index_select(1, last))
+            cache.group_score[:b].index_copy_(1, last % rho, s.index_select(1, last))
             a, s = a[:, :groups * rho].unflatten(1, (groups, rho)), s[:, :groups * rho].unflatten(1, (groups, rho))
             g0 = 0
         else:

@@ -28,17 +28,17 @@ packages' device, and hands the same tensors to every package (`load_constants`,
 model of W bytes of weights is then a W-byte artifact and W bytes in memory, whatever the number of
 programs; embedded, each package would carry and load its own copy.
 
-Programs. The model branches in Python on shapes: a ratio-rho compressor on the prompt length mod
-rho in prefill, the window and top-k widths on min(W, t) and min(k, n). torch.export turns such a
-branch into a guard that the exported program asserts, so one program cannot cover every length.
-Lengths are written as t = period * k + residue (period: the lcm of the compress ratios >= 2 for
-prefill, 1 for decode, which takes the same branches at every position): the residue is a static
-part of each program, which makes every modular branch static; k is a dynamic dimension whose
-range torch.export narrows (`Dim.AUTO`) to where the other branches are settled. Prefill takes the
-prompt as a [1, k, period] body and a [1, residue] tail; decode reads its position from the length
-of an empty [k, 0] marker. With period 1 (no ratio >= 2), that is one prefill.pt2; otherwise one
-prefill package per residue (`prefill.r<i>.pt2`); always one decode.pt2. The narrowed ranges are
-the artifact's bounds; `load_artifact` refuses a call outside them (the packages do not check).
+Programs. The model branches in Python on shapes: the window and top-k widths on min(W, t) and
+min(k, n). torch.export turns such a branch into a guard that the exported program asserts, so one
+program cannot cover every length. Lengths are written as t = period * k + residue, k a dynamic
+dimension whose range torch.export narrows (`Dim.AUTO`) to where those branches are settled.
+Prefill takes the prompt as a [1, k, period] body and a [1, residue] tail; decode reads its position
+from the length of an empty [k, 0] marker. Both take the same branches at every residue (the
+compressor writes its open group without a branch on the remainder), so export writes period 1:
+one prefill.pt2 and one decode.pt2. Artifacts from before that hold one prefill package per residue
+of the lcm of the compress ratios (`prefill.r<i>.pt2`); the loader still runs them. The narrowed
+ranges are the artifact's bounds; `load_artifact` refuses a call outside them (the packages do not
+check).
 """
 from __future__ import annotations
 
@@ -47,7 +47,6 @@ import ctypes
 import hashlib
 import io
 import json
-import math
 import os
 import shutil
 import signal
@@ -103,11 +102,6 @@ def versions() -> dict[str, str]:
 
 
 sha256 = file_sha256  # the sha256 of a file, as the golden manifest records it
-
-
-def period_of(args: ModelArgs) -> int:
-    """The lcm of the compress ratios >= 2: positions with one residue mod it take the same branches."""
-    return math.lcm(1, *(r.ratio for r in build_layer_plan(args) if r.ratio >= 2))
 
 
 def cache_names(model: nn.Module) -> list[str]:
@@ -181,12 +175,10 @@ class ProgramSpec:
         return t % self.period == self.residue and self.lo <= t <= self.hi
 
 
-def program_specs(period: int) -> list[ProgramSpec]:
-    """One prefill package per residue of the prompt length mod `period`, one decode package (a
-    decode step takes the same branches at every position)."""
-    prefill = [ProgramSpec("prefill", period, r, "prefill.pt2" if period == 1 else f"prefill.r{r}.pt2")
-               for r in range(period)]
-    return prefill + [ProgramSpec("decode", 1, 0, "decode.pt2")]
+def program_specs() -> list[ProgramSpec]:
+    """One prefill package and one decode package: each takes the same branches at every residue
+    of the length (see "Programs" in the module docstring)."""
+    return [ProgramSpec("prefill", 1, 0, "prefill.pt2"), ProgramSpec("decode", 1, 0, "decode.pt2")]
 
 
 def _dim_range(ep, placeholder: str, dim: int, period: int, residue: int) -> tuple[int, int]:
@@ -348,7 +340,7 @@ def export(model: Transformer, out: str | os.PathLike, passes: Sequence[str] | N
         raise InputError(f"max_prompt_len: expected 1..max_seq_len={args.max_seq_len}, found {max_prompt_len}")
     stage = on_stage or (lambda _: None)
     names = list(passes or ())
-    specs = program_specs(period_of(args))
+    specs = program_specs()
     # bound before tracing: a pass may change what the model holds (fp4_kv: packed caches)
     build_pipeline(names, strict).bind(model)
     experts = [m for m in model.modules() if isinstance(m, Experts)]

@@ -117,18 +117,28 @@ def test_manifest_records_the_pipeline_its_matches_versions_bounds_and_hashes(ex
     assert verify(artifact) == m
 
 
-def test_one_decode_program_covers_both_parities_of_a_ratio_2_model():
-    """Prefill needs one package per prompt-length residue mod the compress ratio; decode needs one:
-    tiny's decode step (ratio-2 layers) exported with period 1 spans positions 4..255 and equals
-    eager at an even and an odd position (torch.export only, no AOTInductor build)."""
-    from dsv41c.export import _export_program, cache_names, program_specs
-    assert [(s.file, s.period, s.residue) for s in program_specs(2)] == [
-        ("prefill.r0.pt2", 2, 0), ("prefill.r1.pt2", 2, 1), ("decode.pt2", 1, 0)]
+def test_one_prefill_and_one_decode_program_cover_both_parities_of_a_ratio_2_model():
+    """tiny (ratio-2 layers): the prefill exported once equals eager, caches included, on prompts
+    of either parity; the decode step spans positions 4..255 and equals eager at an even and an odd
+    position (torch.export only, no AOTInductor build)."""
+    from dsv41c.export import _export_program, cache_names, prefill_inputs, program_specs
+    specs = program_specs()
+    assert [(s.file, s.period, s.residue) for s in specs] == [("prefill.pt2", 1, 0), ("decode.pt2", 1, 0)]
     model = dsv41c.build_model(dsv41c.ModelArgs.from_json(ROOT / "configs" / "tiny.json"), seed=0, kv_quant=True)
     names = set(cache_names(model))
     caches = [b for n, b in model.named_buffers() if n in names]
     with torch.no_grad():
-        ep, bounds = _export_program(model, program_specs(2)[-1], caches, MAX_PROMPT)
+        ep, bounds = _export_program(model, specs[0], caches, MAX_PROMPT)
+        assert bounds[0] <= 7 and bounds[1] == MAX_PROMPT
+        for n in (7, 22, 31):
+            ids = torch.randint(0, 250, (1, n), generator=torch.Generator().manual_seed(n))
+            model.reset_cache()
+            want = model(ids, 0)
+            want_caches = [c.clone() for c in caches]
+            model.reset_cache()
+            assert torch.equal(ep.module()(*prefill_inputs(ids, 1), caches), want), n
+            assert all(torch.equal(c, w) for c, w in zip(caches, want_caches, strict=True)), n
+        ep, bounds = _export_program(model, specs[-1], caches, MAX_PROMPT)
         assert bounds == (4, model.args.max_seq_len - 1)
         ids = torch.randint(0, 250, (1, 40), generator=torch.Generator().manual_seed(0))
         steps = torch.randint(0, 250, (1, 2), generator=torch.Generator().manual_seed(1))

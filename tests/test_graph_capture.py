@@ -41,6 +41,24 @@ def test_prefill_and_decode_capture_without_breaks_one_graph_each(traced):
     assert frames == [2] * len(frames), frames
 
 
+def test_prefill_is_one_graph_for_prompts_of_either_parity():
+    """tiny's ratio-2 compressors write the open group of a prompt without a branch on the length's
+    remainder, so one prefill graph serves even and odd prompt lengths (an export: one package)."""
+    model = dsv41c.build_model(dsv41c.ModelArgs.from_json(TINY), seed=0)
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    fn = torch.compile(model.forward, backend=counter, fullgraph=True, dynamic=True)
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        for n in (40, 41, 42, 45):
+            ids = torch.randint(0, 259, (1, n))
+            model.reset_cache()
+            got = fn(ids, 0)
+            model.reset_cache()
+            assert torch.equal(got, model(ids, 0)), n
+    assert counter.frame_count == 1
+    torch._dynamo.reset()
+
+
 def test_decode_is_one_graph_while_the_top_k_lists_are_longer_than_the_cache():
     """index_topk and candidate_topk_blocks beyond the entries a decode step sees (as bench.json at
     a short context): the lists keep their width (-1 padding), so no position adds a graph. bf16:
