@@ -172,8 +172,9 @@ class Compressor(nn.Module):
             # group is stale, as in decode, and is overwritten before its group's entry is seen; a
             # copy of remainder-many rows would guard on the remainder being 0 (one graph per residue).
             last = (torch.arange(rho, device=x.device) + (state.seqlen - rho)).clamp(min=0)
-            cache.group_kv[:b].index_copy_(1, last % rho, a.index_select(1, last))
-            cache.group_score[:b].index_copy_(1, last % rho, s.index_select(1, last))
+            slots = last % rho
+            cache.group_kv[:b].index_copy_(1, slots, a.index_select(1, last))
+            cache.group_score[:b].index_copy_(1, slots, s.index_select(1, last))
             a, s = a[:, :groups * rho].unflatten(1, (groups, rho)), s[:, :groups * rho].unflatten(1, (groups, rho))
             g0 = 0
         else:

@@ -176,6 +176,7 @@ def test_the_seed_3_deviation_is_one_indexer_top_k_near_tie(monkeypatch):
                   for r in rows]
     assert len(flips) == 1, f"{len(flips)} top-k rows differ from eager"
     scores, eager_scores, picked, eager_picked, seq = flips[0]
+    assert (scores.numel(), len(picked)) == (13, 8)                 # the indexer: top 8 of 13 compressed rows
     (taken,), (dropped,) = picked - eager_picked, eager_picked - picked
     margin = (eager_scores[dropped].float() - eager_scores[taken].float()).abs()
     finite = eager_scores.isfinite()
