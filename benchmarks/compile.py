@@ -206,7 +206,8 @@ def measure(name: str, model: Transformer, a: argparse.Namespace, gen: torch.Gen
 
 def profile_steps(fn, device: str, steps: int, top: int = 6) -> dict:
     """One run of `fn` (`steps` decode steps) under torch.profiler, per step: device kernels, their
-    summed device time, the host time (inflated by the profiler) and the ops with the most host time."""
+    summed device time, the host time (inflated by the profiler), the ops with the most host time and
+    the kernels and the ops (with what they launch) with the most device time."""
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=activities) as prof:
@@ -218,10 +219,18 @@ def profile_steps(fn, device: str, steps: int, top: int = 6) -> dict:
     kernels = [e for e in events if e.device_type != torch.autograd.DeviceType.CPU]
     cpu = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CPU),
                  key=lambda e: -e.self_cpu_time_total)
+    busiest = sorted(kernels, key=lambda e: -e.self_device_time_total)
+    # device time by the op that launched it (TileLang kernels are all named main_kernel)
+    by_op = sorted((e for e in cpu if not e.key.startswith(("##", "cuda", "cu", "Command"))),
+                   key=lambda e: -e.device_time_total)
     return {"kernels_per_step": sum(e.count for e in kernels) / steps,
             "device_us_per_step": sum(e.self_device_time_total for e in kernels) / steps,
             "host_us_per_step_profiled": host * 1e6 / steps,
-            "top_host_ops_us_per_step": [[e.key, round(e.self_cpu_time_total / steps, 1)] for e in cpu[:top]]}
+            "top_host_ops_us_per_step": [[e.key, round(e.self_cpu_time_total / steps, 1)] for e in cpu[:top]],
+            "top_kernels_us_per_step": [[e.key[:80], e.count / steps, round(e.self_device_time_total / steps, 1)]
+                                        for e in busiest[:2 * top]],
+            "top_ops_device_us_per_step": [[e.key[:80], e.count / steps, round(e.device_time_total / steps, 1)]
+                                           for e in by_op[:3 * top]]}
 
 
 @contextlib.contextmanager
