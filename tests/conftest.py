@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsv41c.config import ModelArgs
 
@@ -188,3 +189,29 @@ def ref():
     return SimpleNamespace(rmsnorm=rmsnorm, base_freqs=base_freqs, yarn_freqs=yarn_freqs, rope=rope,
                            sinkhorn=sinkhorn, sigmoid=sigmoid, mixes=mixes, collapse=collapse,
                            expand=expand, bf16_ulp=bf16_ulp)
+
+
+def cache_read(rows: torch.Tensor, capacity: int, batch_max: int) -> torch.Tensor:
+    """`rows` [B, n, c] as a cache read sees them: `buf[:B, :n]` of a [batch_max, capacity, c]
+    buffer whose other rows hold unrelated values (a strided view, like `RowStore.read`'s)."""
+    b, n, c = rows.shape
+    shape = (batch_max, capacity, c)
+    if rows.dtype == torch.uint8:
+        buf = torch.randint(0, 256, shape, dtype=torch.uint8, device=rows.device)
+    else:
+        buf = (torch.randn(shape, device=rows.device) * 100).to(rows.dtype)
+    buf[:b, :n] = rows
+    return buf[:b, :n]
+
+
+class CopyRecorder(TorchDispatchMode):
+    """Records the aten ops that copy tensor data (clone, copy_, _to_copy) run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.copies = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func).split(".")[1] in ("clone", "copy_", "_to_copy"):
+            self.copies.append(str(func))
+        return func(*args, **(kwargs or {}))

@@ -21,6 +21,7 @@ import secrets
 
 import pytest
 import torch
+from conftest import CopyRecorder, cache_read
 from torch import nn
 
 from dsv41c import quant as Q
@@ -124,6 +125,26 @@ def test_sparse_attn_packed_cpu(dtype, fp8):
     out = A.sparse_attn_packed(q, window, scales, codes[:, :0], cscales[:, :0], sink, idx_w, scale)
     ref = A.sparse_attn_packed_ref(q, window, scales, codes[:, :0], cscales[:, :0], sink, idx_w, scale)
     check(out, ref, decoded_rows(window, scales, codes[:, :0], cscales[:, :0], dtype), q, k, scale, seed)
+
+
+@pytest.mark.parametrize("dtype,fp8", [PACKED_CASES[0], PACKED_CASES[2]], ids=["fp32-rows", "bf16-fp8"])
+def test_cache_reads_go_in_uncopied_and_rows_past_the_read_stay_masked(dtype, fp8):
+    """The compressed rows as the model passes them, `buf[:B, :n]` of a larger cache buffer: the op
+    hands the kernel the buffer's rows without copying them (a copy costs the whole cache per call),
+    and list entries naming rows n.. (inside the buffer, outside the read) are still ignored."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    b, s, h, d, n_w, n_c, k = 2, 3, 4, D_CPU, 20, 100, 130
+    q, window, scales, codes, cscales, sink, idx = packed_inputs(b, s, h, d, n_w, n_c, k, dtype, fp8, g)
+    codes_v, cscales_v = cache_read(codes, 140, 3), cache_read(cscales, 140, 3)
+    assert not codes_v.is_contiguous()
+    idx, idx_ref = past_the_rows(idx, n_w + n_c, g)  # entries n_w + n_c + 7: a row of the buffer
+    with CopyRecorder() as rec:
+        out = A._sparse_attn_packed(q, window, scales, codes_v, cscales_v, sink, idx, SCALE)
+    assert rec.copies == [], f"the op copied: {rec.copies}"
+    ref = A.sparse_attn_packed_ref(q, window, scales, codes, cscales, sink, idx_ref, SCALE)
+    check(out, ref, decoded_rows(window, scales, codes, cscales, dtype), q, k, SCALE, seed)
+    assert torch.equal(out, A.sparse_attn_packed(q, window, scales, codes, cscales, sink, idx, SCALE)), seed
 
 
 def test_empty_list_and_out_of_range():
@@ -375,7 +396,8 @@ def decode_inputs(b, h, d, n_c, g, window=128, topk=512):
 @pytest.mark.gpu
 @needs_cuda
 def test_sparse_attn_packed_released_dims_gpu(batch, topk):
-    """Decode at the released dims: H=64, d=512, K = 128 window + top-k entries.  b1 and b32 are the
+    """Decode at the released dims: H=64, d=512, K = 128 window + top-k entries, the compressed rows
+    a strided view of a larger cache buffer (entries past them name rows of the buffer).  b1 and b32 are the
     benchmark's cases (10 splits of 1 block; 4 splits of 3, 3, 3, 1 blocks); b20 and b7 end the list
     inside a block (5 splits of 2 blocks; 4 of 1); b140 fills the SMs without a split.  Some entries
     point past the rows; the last sequence has no valid entry."""
@@ -387,7 +409,9 @@ def test_sparse_attn_packed_released_dims_gpu(batch, topk):
     q, ring, ring_scales, codes, cscales, sink, idx = decode_inputs(batch, h, d, n_c, g, topk=topk)
     idx, idx_ref = past_the_rows(idx, 128 + n_c, g)
     scale = d**-0.5
-    out = A.sparse_attn_packed(q, ring, ring_scales, codes, cscales, sink, idx, scale)
+    # the compressed rows as a cache read (a strided view of a larger buffer, passed uncopied)
+    out = A.sparse_attn_packed(q, ring, ring_scales, cache_read(codes, n_c + 64, batch + 1),
+                               cache_read(cscales, n_c + 64, batch + 1), sink, idx, scale)
     ref = A.sparse_attn_packed_ref(q, ring, ring_scales, codes, cscales, sink, idx_ref, scale)
     rows = decoded_rows(ring, ring_scales, codes, cscales, torch.bfloat16)
     check(out, ref, rows, q, k, scale, seed, empty_first=False)

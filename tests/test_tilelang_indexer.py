@@ -11,6 +11,7 @@ import shutil
 
 import pytest
 import torch
+from conftest import CopyRecorder, cache_read
 
 from dsv41c import quant
 from dsv41c.attention import Indexer, top_indices
@@ -76,6 +77,22 @@ def test_scores_bit_exact_cpu(case, with_cand, block_max):
     ref = K.index_scores_ref(q, codes, scales, w, vl, cand, n=n, block_max=block_max)
     assert same(got[0], ref[0]) and same(got[1], ref[1]), f"seed={seed}"
     assert (got[0] == 0).any(), f"seed={seed}: the planted zero scores are missing"
+
+
+def test_cache_reads_go_in_uncopied_cpu():
+    """Keys as the model passes them, `buf[:B, :n]` of a larger cache buffer: the op hands the
+    kernel the buffer's rows without copying them (a copy costs the whole cache per call) and
+    scores the same n keys."""
+    seed = fresh_seed()
+    b, s, n = 2, 1, 45
+    q, codes, scales, w = make_inputs(b, s, H, D, n, seed, rows=n)
+    codes_v, scales_v = cache_read(codes, 70, 3), cache_read(scales, 70, 3)
+    assert not codes_v.is_contiguous()
+    with CopyRecorder() as rec:
+        got = K._scores_impl(q, codes_v, scales_v, w, None, None, n, True)
+    assert rec.copies == [], f"the op copied: {rec.copies}"
+    ref = K.index_scores_ref(q, codes, scales, w, None, None, n=n, block_max=True)
+    assert same(got[0], ref[0]) and same(got[1], ref[1]), f"seed={seed}"
 
 
 def test_scores_match_eager_indexer_cpu():
@@ -306,15 +323,17 @@ def block_max_of(sc):
 @pytest.mark.parametrize("with_cand", (False, True), ids=["all", "cand"])
 @pytest.mark.parametrize("b,n", ((1, 8269), (32, 8269), (1, 100003)))
 def test_cuda_scores_released_dims_decode(b, n, with_cand):
-    """32 heads x 128, one query per sequence, keys in a larger cache; n is no multiple of the
+    """32 heads x 128, one query per sequence, keys a strided view of a larger cache; n is no multiple of the
     256-key tile, and batch 32 / 100K keys make each CTA walk several tiles."""
     seed = fresh_seed()
     q, codes, scales, w = make_inputs(b, 1, 32, 128, n, seed, rows=n + 100, device="cuda")
+    # the keys as a cache read: a strided view of a larger buffer (passed uncopied)
+    codes_v, scales_v = cache_read(codes, n + 300, b + 1), cache_read(scales, n + 300, b + 1)
     cand = None
     if with_cand:
         cand = torch.rand(b, 1, -(-n // 8), device="cuda") < 0.25
         cand[..., 300:700] = False  # whole key tiles without a kept block: skipped by the kernel
-    sc, bm = K.index_scores(q, codes, scales, w, None, cand, n=n, block_max=True)
+    sc, bm = K.index_scores(q, codes_v, scales_v, w, None, cand, n=n, block_max=True)
     ref, _ = K.index_scores_ref(*(t.cpu() for t in (q, codes, scales, w)), None,
                                 None if cand is None else cand.cpu(), n=n)
     ulp_close(sc.cpu(), ref, seed)

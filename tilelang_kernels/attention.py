@@ -78,7 +78,7 @@ import torch
 from dsv41c import quant as Q
 from dsv41c.attention import sparse_attn as sparse_attn_ref
 from dsv41c.tilelang_kernels.quant import (_bits, _e2m1_value, _e4m3_value, _e8m0_value, _store, compile_for,
-                                            define_op, kernel_target)
+                                            define_op, kernel_target, rows_buffer)
 
 __all__ = ["BLOCK", "KINDS", "attention_prim_func", "build", "combine_prim_func", "num_splits", "sparse_attn",
            "sparse_attn_packed", "sparse_attn_packed_ref", "sparse_attn_ref"]
@@ -134,6 +134,12 @@ def _dims():
     return {n: T.dynamic(n) for n in ("B", "S", "K", "N", "NC")}
 
 
+def _rows_total(kind, N, R):
+    """Entries below this are rows (window rows, then compressed ones); NV, a scalar argument, is
+    the valid rows of the last buffer, which may hold more (a cache's rows as allocated)."""
+    return R["NV"] if kind == "plain" else N + R["NV"]
+
+
 # ------------------------------------------------------------------------------------- C target
 
 def _cpu_load_macro(kind, d, N):
@@ -171,7 +177,6 @@ def _cpu_prim_func(kind, dtype, H, d, scale):
     vt = "uint16" if dtype == "bfloat16" else "float32"
     D = _dims()
     B, S, K, N, NC = D["B"], D["S"], D["K"], D["N"], D["NC"]
-    rows_total = N if kind == "plain" else N + NC
     rnd = dtype == "bfloat16"
     load = _cpu_load_macro(kind, d, N)
 
@@ -199,7 +204,7 @@ def _cpu_prim_func(kind, dtype, H, d, scale):
                 t = -1
                 if blk * BLOCK + i < K:
                     t = R["IDX"][b, s, blk * BLOCK + i]
-                ok[i] = T.Select(t >= 0, T.Select(t < rows_total, 1, 0), 0)
+                ok[i] = T.Select(t >= 0, T.Select(t < _rows_total(kind, N, R), 1, 0), 0)
                 if ok[i] == 1:
                     load(R, rows, i, b, t)
             for h in T.serial(H):
@@ -241,21 +246,21 @@ def _cpu_prim_func(kind, dtype, H, d, scale):
 
     if kind == "plain":
         @T.prim_func
-        def main(Q_: qt, KV: T.Tensor((B, N, d), vt), SINK: st, IDX: it, O: ot):
+        def main(Q_: qt, KV: T.Tensor((B, N, d), vt), SINK: st, IDX: it, O: ot, NV: T.int32):
             with TC.Kernel(S, B) as (s, b):
-                attend({"Q": Q_, "KV": KV, "SINK": SINK, "IDX": IDX, "O": O}, b, s)
+                attend({"Q": Q_, "KV": KV, "SINK": SINK, "IDX": IDX, "O": O, "NV": NV}, b, s)
     elif kind == "packed_rows":
         @T.prim_func
-        def main(Q_: qt, W: T.Tensor((B, N, d), vt), CC: ct, CS: cst, SINK: st, IDX: it, O: ot):
+        def main(Q_: qt, W: T.Tensor((B, N, d), vt), CC: ct, CS: cst, SINK: st, IDX: it, O: ot, NV: T.int32):
             with TC.Kernel(S, B) as (s, b):
-                attend({"Q": Q_, "W": W, "CC": CC, "CS": CS, "SINK": SINK, "IDX": IDX, "O": O}, b, s)
+                attend({"Q": Q_, "W": W, "CC": CC, "CS": CS, "SINK": SINK, "IDX": IDX, "O": O, "NV": NV}, b, s)
     else:
         @T.prim_func
         def main(Q_: qt, W: T.Tensor((B, N, d), "uint8"), WS: T.Tensor((B, N, d // 32), "uint8"), CC: ct,
-                 CS: cst, SINK: st, IDX: it, O: ot):
+                 CS: cst, SINK: st, IDX: it, O: ot, NV: T.int32):
             with TC.Kernel(S, B) as (s, b):
-                attend({"Q": Q_, "W": W, "WS": WS, "CC": CC, "CS": CS, "SINK": SINK, "IDX": IDX, "O": O},
-                       b, s)
+                attend({"Q": Q_, "W": W, "WS": WS, "CC": CC, "CS": CS, "SINK": SINK, "IDX": IDX, "O": O,
+                        "NV": NV}, b, s)
     return main
 
 
@@ -270,7 +275,6 @@ def _cuda_prim_func(kind, H, d, scale, split):
     B, S, K, N, NC, NS = D["B"], D["S"], D["K"], D["N"], D["NC"], T.dynamic("NS")
     HB, threads = _CUDA_HEADS, _CUDA_THREADS
     HG = -(-H // HB)
-    rows_total = N if kind == "plain" else N + NC
     vec = 8  # values per decoded item: 16 B of bf16 in shared memory
     per_row = d // vec
     items = BLOCK * per_row // threads  # decoded items per thread and block
@@ -393,7 +397,7 @@ def _cuda_prim_func(kind, H, d, scale, split):
             else T.ceildiv(K, BLOCK)
         if tx < BLOCK:
             next_row(R, nxt, bb, bs, blk0, tx)
-            rowS[0, tx] = T.Select(nxt[0] < rows_total, nxt[0], -1)
+            rowS[0, tx] = T.Select(nxt[0] < _rows_total(kind, N, R), nxt[0], -1)
             next_row(R, nxt, bb, bs, blk0 + 1, tx)
         if tx < 16:
             lut[tx] = _e2m1_value(T.Cast("uint32", tx))
@@ -417,7 +421,7 @@ def _cuda_prim_func(kind, H, d, scale, split):
             T.sync_threads()  # block i staged (every thread's copies); the previous GEMMs done with KVs
             decode(stage, stage_s, rowS, i % 2, KVs, lut, cb, vl, bb, tx)
             if tx < BLOCK:  # rowS[(i+1) % 2] was last read by block i-1's masks
-                rowS[(i + 1) % 2, tx] = T.Select(nxt[0] < rows_total, nxt[0], -1)
+                rowS[(i + 1) % 2, tx] = T.Select(nxt[0] < _rows_total(kind, N, R), nxt[0], -1)
                 next_row(R, nxt, bb, bs, blk0 + i + 2, tx)
             T.sync_threads()  # KVs and rowS ready, the stage free
             if i + 1 < nb:  # block i+1's copies, in flight during block i's GEMMs
@@ -482,28 +486,28 @@ def _cuda_prim_func(kind, H, d, scale, split):
 
     if kind == "plain" and split:
         @T.prim_func
-        def main(Q_: qt, KV: wt, IDX: it, OP: opt, MP: mpt, LP: lpt):
-            run({"Q": Q_, "KV": KV, "IDX": IDX, "OP": OP, "MP": MP, "LP": LP})
+        def main(Q_: qt, KV: wt, IDX: it, OP: opt, MP: mpt, LP: lpt, NV: T.int32):
+            run({"Q": Q_, "KV": KV, "IDX": IDX, "OP": OP, "MP": MP, "LP": LP, "NV": NV})
     elif kind == "plain":
         @T.prim_func
-        def main(Q_: qt, KV: wt, SINK: st, IDX: it, O: ot):
-            run({"Q": Q_, "KV": KV, "SINK": SINK, "IDX": IDX, "O": O})
+        def main(Q_: qt, KV: wt, SINK: st, IDX: it, O: ot, NV: T.int32):
+            run({"Q": Q_, "KV": KV, "SINK": SINK, "IDX": IDX, "O": O, "NV": NV})
     elif kind == "packed_rows" and split:
         @T.prim_func
-        def main(Q_: qt, W: wt, CC: ct, CS: cst, IDX: it, OP: opt, MP: mpt, LP: lpt):
-            run({"Q": Q_, "W": W, "CC": CC, "CS": CS, "IDX": IDX, "OP": OP, "MP": MP, "LP": LP})
+        def main(Q_: qt, W: wt, CC: ct, CS: cst, IDX: it, OP: opt, MP: mpt, LP: lpt, NV: T.int32):
+            run({"Q": Q_, "W": W, "CC": CC, "CS": CS, "IDX": IDX, "OP": OP, "MP": MP, "LP": LP, "NV": NV})
     elif kind == "packed_rows":
         @T.prim_func
-        def main(Q_: qt, W: wt, CC: ct, CS: cst, SINK: st, IDX: it, O: ot):
-            run({"Q": Q_, "W": W, "CC": CC, "CS": CS, "SINK": SINK, "IDX": IDX, "O": O})
+        def main(Q_: qt, W: wt, CC: ct, CS: cst, SINK: st, IDX: it, O: ot, NV: T.int32):
+            run({"Q": Q_, "W": W, "CC": CC, "CS": CS, "SINK": SINK, "IDX": IDX, "O": O, "NV": NV})
     elif split:
         @T.prim_func
-        def main(Q_: qt, W: wt, WS: wst, CC: ct, CS: cst, IDX: it, OP: opt, MP: mpt, LP: lpt):
-            run({"Q": Q_, "W": W, "WS": WS, "CC": CC, "CS": CS, "IDX": IDX, "OP": OP, "MP": MP, "LP": LP})
+        def main(Q_: qt, W: wt, WS: wst, CC: ct, CS: cst, IDX: it, OP: opt, MP: mpt, LP: lpt, NV: T.int32):
+            run({"Q": Q_, "W": W, "WS": WS, "CC": CC, "CS": CS, "IDX": IDX, "OP": OP, "MP": MP, "LP": LP, "NV": NV})
     else:
         @T.prim_func
-        def main(Q_: qt, W: wt, WS: wst, CC: ct, CS: cst, SINK: st, IDX: it, O: ot):
-            run({"Q": Q_, "W": W, "WS": WS, "CC": CC, "CS": CS, "SINK": SINK, "IDX": IDX, "O": O})
+        def main(Q_: qt, W: wt, WS: wst, CC: ct, CS: cst, SINK: st, IDX: it, O: ot, NV: T.int32):
+            run({"Q": Q_, "W": W, "WS": WS, "CC": CC, "CS": CS, "SINK": SINK, "IDX": IDX, "O": O, "NV": NV})
     return main
 
 
@@ -642,17 +646,20 @@ def _run(kind, q, srcs, sink, idx, scale):
     target = kernel_target(q, "sparse_attn")
     b, s, h, d = q.shape
     kernel_key = (kind, _DTYPES[q.dtype], h, d, float(scale), target)
-    qa, *srcs = (_arg(t, target) for t in (q, *srcs))
+    # the last source (compressed rows, or the plain rows) is a cache read [:B, :n]: its buffer's
+    # rows as allocated go in uncopied, with n, the rows entries may name, as a scalar argument
+    nv = srcs[-1].shape[1]
+    qa, *srcs = (_arg(t, target) for t in (q, *srcs[:-2], *map(rows_buffer, srcs[-2:])))
     sink, idx = _arg(sink, target), _arg(idx, target)
     ns = 1
     if target != "c":
         ns = num_splits(b * s * -(-h // _CUDA_HEADS), -(-idx.shape[-1] // BLOCK), _sm_count(q.device.index))
     if ns == 1:
-        build(*kernel_key)(qa, *srcs, sink, idx, _arg(out, target))
+        build(*kernel_key)(qa, *srcs, sink, idx, _arg(out, target), nv)
         return out
     acc = q.new_empty((b, s, ns, h, d), dtype=torch.float32)
     m, l = (q.new_empty((b, s, ns, h), dtype=torch.float32) for _ in range(2))
-    build(*kernel_key, True)(qa, *srcs, idx, acc, m, l)
+    build(*kernel_key, True)(qa, *srcs, idx, acc, m, l, nv)
     build("combine", "bfloat16", h, d, 0.0, target)(acc, m, l, sink, out)
     return out
 

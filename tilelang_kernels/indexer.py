@@ -53,7 +53,15 @@ import tilelang.cpu.language as TC
 import tilelang.language as T
 import torch
 import torch.nn.functional as F
-from dsv41c.tilelang_kernels.quant import _e2m1_value, _e8m0_value, _store, compile_for, define_op, kernel_target
+from dsv41c.tilelang_kernels.quant import (
+    _e2m1_value,
+    _e8m0_value,
+    _store,
+    compile_for,
+    define_op,
+    kernel_target,
+    rows_buffer,
+)
 
 from dsv41c import quant
 from dsv41c.attention import Indexer, pad_to, top_indices
@@ -309,12 +317,6 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
-def _rows_view(t: torch.Tensor) -> torch.Tensor:
-    """A cache buffer [B, rows, c] whose batch slice may be strided: contiguous in its last two dims
-    is all the kernels need, but the kernel ABI wants a dense tensor, so copy otherwise."""
-    return t if t.is_contiguous() else t.contiguous()
-
-
 # ------------------------------------------------------------------------------------- torch.library ops
 
 def _check_scores(q, codes, scales, w, visible_len, cand_blocks, n):
@@ -352,7 +354,8 @@ def _scores_impl(q, codes, scales, w, visible_len, cand_blocks, n, block_max):
         return sc, bm
     target = kernel_target(q, "indexer")
     kernel = build("scores", (h, d, visible_len is not None, cand_blocks is not None, block_max), target)
-    args = [_bits(_aligned(q.contiguous()), target), _aligned(_rows_view(codes)), _aligned(_rows_view(scales)),
+    # the keys' buffers as allocated (a cache read [:B, :n] is not copied): keys from n on are never read
+    args = [_bits(_aligned(q.contiguous()), target), _aligned(rows_buffer(codes)), _aligned(rows_buffer(scales)),
             _bits(w.contiguous(), target)]
     # an unused optional buffer is declared [1] by the build
     args.append(visible_len.contiguous() if visible_len is not None else q.new_zeros(1, dtype=torch.int32))

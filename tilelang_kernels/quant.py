@@ -607,6 +607,24 @@ def _aligned(t: torch.Tensor, target: str) -> torch.Tensor:
     return t if target == "c" or t.data_ptr() % 16 == 0 else t.clone()
 
 
+def rows_buffer(t: torch.Tensor) -> torch.Tensor:
+    """The dense [B, capacity, c] rows a cache read [B, n, c] was sliced from, without a copy.
+
+    A cache read is `buf[:B, :n]` of a [B_max, capacity, c] buffer: dense in its last two dims, its
+    batch stride capacity x c.  The builds take dense tensors only, and copying the read costs the
+    whole cache on every call (at 64K rows and batch 32, ~1 ms per call for a 600 MB FP4 cache).
+    So the kernels get the buffer's rows and the number of valid rows separately.  Anything else
+    (a view that is not such a slice) is returned contiguous, copied if need be."""
+    if t.dim() != 3 or t.is_contiguous():
+        return t.contiguous()
+    b, n, c = t.shape
+    s0, s1, s2 = t.stride()
+    end = t.storage_offset() + (b - 1) * s0 + s0  # one past the widened view's last element
+    if s2 != 1 or s1 != c or s0 % c or s0 < n * c or end > t.untyped_storage().nbytes() // t.element_size():
+        return t.contiguous()
+    return t.as_strided((b, s0 // c, c), (s0, c, 1))
+
+
 def _blocks_of(fmt: str, n: int, name: str) -> int:
     if n % FORMATS[fmt]:
         raise ValueError(f"{fmt}: last dim of {name} must be a multiple of {FORMATS[fmt]}, got {n}")
