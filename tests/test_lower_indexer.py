@@ -24,8 +24,10 @@ from dsv41c.attention import CallState, Indexer
 from dsv41c.config import ModelArgs, build_layer_plan
 from dsv41c.passes.lower_indexer import LowerIndexer, _key
 from dsv41c.passes.manager import PassError, PassPipeline
-from dsv41c.tilelang_kernels import indexer as _kernels  # noqa: F401  (registers dsv41c::index_*)
+from dsv41c.tilelang_kernels import attention as kernel_attention
+from dsv41c.tilelang_kernels import indexer as kernel_indexer  # (also registers dsv41c::index_*)
 from dsv41c.tilelang_kernels import quant as _codecs
+from dsv41c.tilelang_kernels.quant import rows_buffer
 
 KERNELS = ("index_scores", "candidate_blocks", "index_topk")
 OVERRIDES = dict(THREE_KINDS, hc_sinkhorn_iters=1, candidate_block_size=8, candidate_topk_blocks=2,
@@ -286,7 +288,8 @@ def test_whole_model_matches_eager_kv_quant(lowered):
 @pytest.mark.slow
 def test_whole_model_with_lower_sparse_attn():
     """fp4_kv, lower_indexer and lower_sparse_attn together: the attention kernel reads the lists
-    index_topk publishes; greedy tokens and logits equal eager kv_quant (lower-index ties)."""
+    index_topk publishes; greedy tokens and logits equal eager kv_quant (lower-index ties). The
+    kernels get the caches uncopied (batch 2: each cache read is a strided view of its buffer)."""
     args = cut_args()
     torch._dynamo.reset()
     model = dsv41c.build_model(args, seed=0, dtype=torch.bfloat16, kv_quant=True)
@@ -294,7 +297,18 @@ def test_whole_model_with_lower_sparse_attn():
     compiled = dsv41c.compile(model, passes=("fp4_kv", "lower_indexer", "lower_sparse_attn"), strict=True,
                               backend="passes_only", observe=True)
     inputs = golden.make_inputs(args, 2, 21, seed=3)
-    trace, tokens = golden.run_greedy(compiled, inputs, STEPS)
+    reads = []  # (strided, copied) of every cache read the kernels get: none is copied
+
+    def recording(t):
+        out = rows_buffer(t)
+        reads.append((not t.is_contiguous(), out.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()))
+        return out
+    with pytest.MonkeyPatch.context() as mp:
+        for module in (kernel_attention, kernel_indexer):
+            mp.setattr(module, "rows_buffer", recording)
+        trace, tokens = golden.run_greedy(compiled, inputs, STEPS)
+    assert sum(strided for strided, _ in reads) >= STEPS, reads     # batch 2: the reads are strided views
+    assert not any(copied for _, copied in reads), reads
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(attention, "top_indices", stable_top_indices)
         eager_trace, eager_tokens = golden.run_greedy(eager, inputs, STEPS)
