@@ -192,14 +192,10 @@ def ref():
 
 
 def cache_read(rows: torch.Tensor, capacity: int, batch_max: int) -> torch.Tensor:
-    """`rows` [B, n, c] as a cache read sees them: `buf[:B, :n]` of a [batch_max, capacity, c]
-    buffer whose other rows hold unrelated values (a strided view, like `RowStore.read`'s)."""
+    """Packed rows [B, n, c] (uint8) as a cache read sees them: `buf[:B, :n]` of a [batch_max,
+    capacity, c] buffer whose other rows hold random bytes (a strided view, like `RowStore.read`'s)."""
     b, n, c = rows.shape
-    shape = (batch_max, capacity, c)
-    if rows.dtype == torch.uint8:
-        buf = torch.randint(0, 256, shape, dtype=torch.uint8, device=rows.device)
-    else:
-        buf = (torch.randn(shape, device=rows.device) * 100).to(rows.dtype)
+    buf = torch.randint(0, 256, (batch_max, capacity, c), dtype=torch.uint8, device=rows.device)
     buf[:b, :n] = rows
     return buf[:b, :n]
 
