@@ -14,7 +14,7 @@ from dsv41c import mhc
 from dsv41c.attention import CallState
 from dsv41c.config import LayerRole, ModelArgs
 from dsv41c.model import Block
-from dsv41c.nn import Linear, RMSNorm, sample, weight_format
+from dsv41c.nn import Linear, RMSNorm, sample, uninitialised, weight_format
 
 
 class DSparkStage(Block):
@@ -30,10 +30,10 @@ class DSparkStage(Block):
         if j == args.n_mtp_layers - 1:
             self.norm = RMSNorm(d, args.norm_eps, dtype)
             self.markov_head = nn.Module()
-            self.markov_head.embed = nn.Embedding(v, r, dtype=dtype)
-            self.markov_head.head = nn.Linear(r, v, bias=False, dtype=torch.float32)
+            self.markov_head.embed = uninitialised(nn.Embedding, v, r, dtype=dtype)
+            self.markov_head.head = uninitialised(nn.Linear, r, v, bias=False, dtype=torch.float32)
             self.confidence_head = nn.Module()
-            self.confidence_head.proj = nn.Linear(d + r, 1, bias=False, dtype=torch.float32)
+            self.confidence_head.proj = uninitialised(nn.Linear, d + r, 1, bias=False, dtype=torch.float32)
 
     def forward(self, h: torch.Tensor | None, pre: torch.Tensor | None, state: CallState):
         if h is None:                       # prefill: seed the ring only, the stage is skipped

@@ -18,7 +18,7 @@ from dsv41c.engram_hash import EngramLayout, engram_hash_ids
 from dsv41c.errors import InputError
 from dsv41c.moe import MoE
 from dsv41c.nn import (Linear, RMSNorm, frozen_param, rope_frequencies, rope_table, show_logical_dtypes,
-                       weight_format)
+                       uninitialised, weight_format)
 from dsv41c.quant import dequant_fp8_rows
 from dsv41c.tokenizer import Tokenizer
 
@@ -118,7 +118,7 @@ class Transformer(nn.Module):
         self.args, self.dtype, self.kv_quant = args, dtype, kv_quant
         self.plan = build_layer_plan(args)
         self.tokenizer = tokenizer if tokenizer is not None else Tokenizer.byte_level()
-        self.embed = nn.Embedding(args.vocab_size, args.dim, dtype=dtype)
+        self.embed = uninitialised(nn.Embedding, args.vocab_size, args.dim, dtype=dtype)
         self.layers = nn.ModuleList(Block(args, self.plan[i], dtype, kv_quant) for i in range(args.n_layers))
         self.engram_layer_ids = list(args.engram_layer_ids)
         if self.engram_layer_ids:
@@ -127,7 +127,7 @@ class Transformer(nn.Module):
             for i, rows in zip(self.engram_layer_ids, args.engram_num_embeddings):
                 self.layers[i].engram = Engram(args, rows, dtype)
         self.norm = RMSNorm(args.dim, args.norm_eps, dtype)
-        self.head = nn.Linear(args.dim, args.vocab_size, bias=False, dtype=torch.float32)
+        self.head = uninitialised(nn.Linear, args.dim, args.vocab_size, bias=False, dtype=torch.float32)
         self.mtp = nn.ModuleList()
         if args.n_mtp_layers:
             from dsv41c.dspark import DSparkStage

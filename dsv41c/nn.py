@@ -74,6 +74,13 @@ def frozen_param(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
                         requires_grad=False)
 
 
+def uninitialised(module_cls: type[nn.Module], *args, **kwargs) -> nn.Module:
+    """A torch.nn layer (nn.Linear, nn.Embedding) with its parameters left uninitialised, like
+    `frozen_param`'s: `init_weights` or a checkpoint fills them, so torch's default init (kaiming,
+    normal) over a large head or embedding would be wasted work. On the current default device."""
+    return nn.utils.skip_init(module_cls, *args, device=torch.get_default_device(), **kwargs)
+
+
 def show_logical_dtypes(module: nn.Module, names: dict[str, torch.dtype]) -> None:
     """Make `state_dict` show the byte-stored parameters `names` in their own dtype, and
     `load_state_dict` accept them in that dtype (or as uint8)."""

@@ -37,7 +37,9 @@ def _keeps_fp32_values(model: Transformer, name: str) -> bool:
 
 def _init_values(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     def normal(std: float, mean: float = 0.0) -> torch.Tensor:
-        return torch.randn(shape, generator=gen) * std + mean
+        # in place: the same fp32 products and sums as `randn * std + mean`, without two more
+        # full-size temporaries (a large config's init is dominated by these passes over memory)
+        return torch.randn(shape, generator=gen).mul_(std).add_(mean)
 
     leaf = name.rsplit(".", 1)[-1]
     if name.endswith("norm.weight"):
@@ -84,8 +86,8 @@ def init_weights(model: Transformer, seed: int = 0) -> Transformer:
             t.view(torch.uint8).copy_(w.view(torch.uint8))
             scale.view(torch.uint8).copy_(s.view(torch.uint8))
             continue
-        if not _keeps_fp32_values(model, name):
-            values = values.bfloat16()
+        if not _keeps_fp32_values(model, name) and t.dtype != torch.bfloat16:
+            values = values.bfloat16()          # (a bf16 tensor's copy_ rounds the same way itself)
         t.copy_(values)
     return model
 
