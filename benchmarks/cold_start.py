@@ -1,5 +1,5 @@
 """Cold start to the first token: an exported artifact (load, no compile) against dsv41c.compile
-(build, compile, run) and eager (build, run), each in a fresh Python process.
+(load the weights, compile, run) and eager (load the weights, run), each in a fresh Python process.
 
 The time is measured from the process's start (before `import torch`) to the first generated token
 (the prefill's argmax), so it counts imports, weights, loading or compiling, and the prefill. The
@@ -9,8 +9,13 @@ run left (a restart on the same machine).
     python benchmarks/cold_start.py --config configs/tiny.json --artifact DIR [--prompt-len 24]
     python benchmarks/cold_start.py --config configs/bench.json --device cuda --dtype bfloat16
 
-Without --artifact, the config is exported first into a temp directory (minutes on a CPU core),
-for --device with --dtype (the artifact given must match them). On CPU each process runs one thread.
+Weights: by default every path reads them from disk, as a deployment does: the seed-0 model of
+--config is written once as a checkpoint (`save_checkpoint`, not timed), the export exports it, and
+the compile and eager paths load it (`load_model`). With --weights random the compile and eager
+paths draw the random weights in the process instead (`build_model`, seed 0; on a large config that
+is minutes of host RNG, which no deployment pays). Without --artifact, the model is exported first
+into a temp directory (minutes on a CPU core), for --device with --dtype (the artifact given must
+match them and hold the seed-0 weights of --config). On CPU each process runs one thread.
 --paths picks some of the paths (artifact, compile, eager), so that a large config's paths can run
 on two GPUs of one host at once; without the artifact path nothing is exported. --passes and
 --kv-quant set the pass pipeline and the KV numerics of both the export and the compile (eager runs
@@ -36,7 +41,7 @@ import time, sys, json
 t0 = time.perf_counter()
 import torch
 import dsv41c
-mode, config, artifact, n, device, dtype, passes, kv_quant = sys.argv[1:9]
+mode, config, artifact, n, device, dtype, passes, kv_quant, checkpoint = sys.argv[1:10]
 n, passes, kv_quant = int(n), tuple(p for p in passes.split(",") if p), kv_quant == "1"
 if device == "cpu":
     torch.set_num_threads(1)
@@ -44,6 +49,8 @@ ids = torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(0))
 t_import = time.perf_counter()
 if mode == "artifact":
     model = dsv41c.load_artifact(artifact)
+elif checkpoint:
+    model = dsv41c.load_model(checkpoint, dtype=getattr(torch, dtype), kv_quant=kv_quant, device=device)
 else:
     model = dsv41c.build_model(dsv41c.ModelArgs.from_json(config), seed=0, dtype=getattr(torch, dtype),
                                device=device, kv_quant=kv_quant)
@@ -57,9 +64,17 @@ print(json.dumps({"import": t_import - t0, "ready": t_ready - t_import, "first":
 """
 
 
-def child(mode: str, opts: argparse.Namespace, artifact: str, env: dict, cwd: str) -> dict:
+# The checkpoint of the seed-0 model (argv: config, dtype, out), built on the CPU.
+SAVE = r"""
+import sys, torch, dsv41c
+config, dtype, out = sys.argv[1:4]
+dsv41c.save_checkpoint(dsv41c.build_model(dsv41c.ModelArgs.from_json(config), seed=0, dtype=getattr(torch, dtype)), out)
+"""
+
+
+def child(mode: str, opts: argparse.Namespace, artifact: str, checkpoint: str, env: dict, cwd: str) -> dict:
     proc = subprocess.run([sys.executable, "-c", CHILD, mode, opts.config, artifact, str(opts.prompt_len),
-                           opts.device, opts.dtype, ",".join(opts.passes), str(int(opts.kv_quant))],
+                           opts.device, opts.dtype, ",".join(opts.passes), str(int(opts.kv_quant)), checkpoint],
                           capture_output=True, text=True, env=env, cwd=cwd)
     if proc.returncode:
         sys.exit(f"{mode} run failed:\n{proc.stderr[-3000:]}")
@@ -79,6 +94,9 @@ def main() -> None:
                         help="comma-separated pass pipeline of the export and the compile (default: %(default)s)")
     parser.add_argument("--kv-quant", action=argparse.BooleanOptionalAction, default=False,
                         help="KV quantisation numerics (fp4_kv needs it)")
+    parser.add_argument("--weights", choices=("checkpoint", "random"), default="checkpoint",
+                        help="compile and eager paths: load a checkpoint of the seed-0 model (default) or draw "
+                             "the random weights in the process")
     opts = parser.parse_args()
     opts.passes = [p for p in opts.passes.split(",") if p]
     paths = [p for p in opts.paths.split(",") if p]
@@ -90,10 +108,19 @@ def main() -> None:
     # sys.path, and a source checkout there would shadow the installed dsv41c package.
     with tempfile.TemporaryDirectory() as tmp:
         artifact = opts.artifact and str(Path(opts.artifact).resolve())
-        if artifact is None and "artifact" in paths:
+        export = artifact is None and "artifact" in paths
+        checkpoint = ""
+        if opts.weights == "checkpoint" and (export or {"compile", "eager"} & set(paths)):
+            checkpoint = str(Path(tmp) / "checkpoint")
+            t0 = time.perf_counter()
+            subprocess.run([sys.executable, "-c", SAVE, opts.config, opts.dtype, checkpoint], check=True, env=env,
+                           cwd=tmp)
+            print(f"checkpoint of the seed-0 model written: {time.perf_counter() - t0:.0f} s", flush=True)
+        if export:
             artifact = str(Path(tmp) / "artifact")
             t0 = time.perf_counter()
-            subprocess.run([sys.executable, "-m", "dsv41c.cli.main", "export", "--config", opts.config,
+            source = ["--model", checkpoint] if checkpoint else ["--config", opts.config]
+            subprocess.run([sys.executable, "-m", "dsv41c.cli.main", "export", *source,
                             "--out", artifact, "--device", opts.device, "--dtype", opts.dtype,
                             "--kv-quant" if opts.kv_quant else "--no-kv-quant",
                             *(a for name in opts.passes for a in ("--pass", name))], check=True, env=env, cwd=tmp)
@@ -105,15 +132,16 @@ def main() -> None:
                                       ("dsv41c.compile, warm cache", "compile", cache_env),
                                       ("eager", "eager", env)):
             if mode in paths:
-                rows[name] = child(mode, opts, artifact or "", child_env, tmp)
+                rows[name] = child(mode, opts, artifact or "", checkpoint, child_env, tmp)
                 print(f"{name}: {rows[name]}", flush=True)
     tokens = {r["token"] for r in rows.values()}
     base = rows["artifact (load)"]["total"] if "artifact (load)" in rows else None
     threads = ", 1 thread" if opts.device == "cpu" else ""
     agree = "agree" if len(tokens) == 1 else f"DIFFER: {tokens}"
+    weights = "from a checkpoint" if checkpoint else "random in the process (compile, eager)"
     print(f"cold start to the first token, {opts.config} on {opts.device} ({opts.dtype}, kv_quant={opts.kv_quant}, "
           f"passes {','.join(opts.passes) or 'none'}), prompt of {opts.prompt_len} tokens{threads}, fresh process "
-          f"each; first tokens {agree}")
+          f"each, weights {weights}; first tokens {agree}")
     print(f"| {'path':<28} | import s | load/build+compile s | prefill s | total s | x artifact |")
     print(f"|{'-' * 30}|---------:|---------------------:|----------:|--------:|-----------:|")
     for name, r in rows.items():
