@@ -54,7 +54,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import warnings
 import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -349,12 +348,11 @@ def export(model: Transformer, out: str | os.PathLike, passes: Sequence[str] | N
     try:
         with built_in_place(out) as tmp:
             if experts and not aoti_has_shim("_grouped_mm", model.device.type):
-                warnings.warn(f"export: this torch's AOTInductor has no {model.device.type} C shim for _grouped_mm "
-                              f"(torch {torch.__version__}); the MoE experts are exported as the non-grouped path of "
-                              f"`MoE.forward` (one GEMM per expert, or gathered weights for few tokens): the "
-                              f"same function, slower", stacklevel=2)
+                # (tracing one GEMM per expert instead made the prefill graph many times larger and
+                # its AOTInductor compile minutes longer, and the package sync on every expert's
+                # token count)
                 for m in experts:
-                    m.grouped_gemm = False
+                    m.opaque_grouped_mm = True
             custom_ops: set[str] = set()
             uuid = build_pipeline(names, strict).uuid()
             for spec in specs:
@@ -387,7 +385,7 @@ def export(model: Transformer, out: str | os.PathLike, passes: Sequence[str] | N
             (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     finally:
         for m in experts:
-            m.__dict__.pop("grouped_gemm", None)       # back to the class default
+            m.__dict__.pop("opaque_grouped_mm", None)  # back to the class default
     return out
 
 

@@ -18,6 +18,20 @@ from dsv41c.nn import BYTE_STORED, Linear, batched_linear, frozen_param, linear,
 PROJECTIONS = ("w1", "w2", "w3")
 
 
+@torch.library.custom_op("dsv41c::grouped_mm", mutates_args=())
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """`torch._grouped_mm(a [M, K], b [G, K, N], offs=offs)` -> [M, N] as an op of our own, opaque to
+    Inductor: an exported package calls it through AOTInductor's proxy executor. For a torch whose
+    AOTInductor has no C shim for `_grouped_mm` on the device (torch 2.11 on CUDA), so that an export
+    keeps the experts' grouped GEMMs instead of tracing one GEMM per expert."""
+    return torch._grouped_mm(a, b, offs=offs)
+
+
+@grouped_mm.register_fake
+def _grouped_mm_fake(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return a.new_empty(a.shape[0], b.shape[-1])
+
+
 def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
     """silu(g) * u in fp32; with a limit, u is clamped both sides and g from above only."""
     g, u = g.float(), u.float()
@@ -110,8 +124,11 @@ class Experts(nn.Module):
         out = proj("w2", (route.reshape(-1, 1) * h).to(x.dtype))
         return out.view(n, k, -1)
 
-    # False while `dsv41c.export` traces for a device whose AOTInductor C shims lack `_grouped_mm`
+    # False: the non-grouped paths, as for other dtypes (a reference for tests)
     grouped_gemm = True
+    # True while `dsv41c.export` traces for a device whose AOTInductor C shims lack `_grouped_mm`:
+    # the same GEMMs through the opaque `dsv41c::grouped_mm`
+    opaque_grouped_mm = False
 
     def groupable(self, x: torch.Tensor) -> bool:
         """Whether `grouped` applies: dense bf16 weights and input (the grouped GEMM's one dtype)."""
@@ -127,9 +144,11 @@ class Experts(nn.Module):
         experts = torch.arange(self.n, device=ids.device, dtype=flat.dtype)
         ends = torch.searchsorted(flat[order], experts, right=True).to(torch.int32)   # group e = rows < ends[e]
 
+        mm = torch.ops.dsv41c.grouped_mm if self.opaque_grouped_mm else torch._grouped_mm
+
         def proj(name, inp):
             # torch._grouped_mm: the op behind torch 2.13's F.grouped_mm, present across the pinned range
-            return torch._grouped_mm(inp, getattr(self, name).transpose(-2, -1), offs=ends)
+            return mm(inp, getattr(self, name).transpose(-2, -1), offs=ends)
 
         xs = x[order // k]
         h = swiglu(proj("w1", xs), proj("w3", xs), self.limit)

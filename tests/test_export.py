@@ -8,6 +8,7 @@ but the kernels' op registration.
 import json
 import os
 import re
+import secrets
 import shutil
 import subprocess
 import sys
@@ -396,10 +397,11 @@ def test_export_logs_one_line_per_stage_when_not_on_a_terminal(monkeypatch, tmp_
     assert stages == [f"building {ROOT / 'configs' / 'tiny.json'} (seed 0)", "compiling prefill.pt2"], result.output
 
 
-def test_without_a_grouped_mm_shim_the_experts_are_not_traced_through_grouped_gemms(monkeypatch, tmp_path):
+def test_without_a_grouped_mm_shim_the_experts_go_through_the_opaque_grouped_mm(monkeypatch, tmp_path):
     """A torch whose AOTInductor lacks the device's `_grouped_mm` C shim (torch 2.11 on CUDA) gets
-    the experts traced through MoE's non-grouped path, with a warning; the flag is restored after, and a
-    failed export leaves nothing behind. (The trace is stopped at its first program: no compile.)"""
+    the experts' grouped GEMMs traced as `dsv41c::grouped_mm` (called through the proxy executor);
+    the flag is restored after, and a failed export leaves nothing behind. (The trace is stopped at
+    its first program: no compile.)"""
     import importlib
 
     from dsv41c.moe import Experts
@@ -412,17 +414,47 @@ def test_without_a_grouped_mm_shim_the_experts_are_not_traced_through_grouped_ge
     seen = []
 
     def first_program(*_):
-        seen.append([m.grouped_gemm for m in experts])
+        seen.append([m.opaque_grouped_mm for m in experts])
         raise RuntimeError("stop before tracing")
 
     monkeypatch.setattr(E, "aoti_has_shim", lambda op, device_type: op != "_grouped_mm")
     monkeypatch.setattr(E, "_export_program", first_program)
-    with pytest.warns(UserWarning, match="_grouped_mm"), pytest.raises(RuntimeError, match="stop before"):
+    with pytest.raises(RuntimeError, match="stop before"):
         dsv41c.export(model, tmp_path / "artifact")
-    assert seen == [[False] * len(experts)]
-    assert all(m.grouped_gemm for m in experts) and not (tmp_path / "artifact").exists()
+    assert seen == [[True] * len(experts)]
+    assert not any(m.opaque_grouped_mm for m in experts) and not (tmp_path / "artifact").exists()
     monkeypatch.undo()
     assert E.aoti_has_shim("_grouped_mm", "cpu") and not E.aoti_has_shim("no_such_op", "cpu")
+
+
+def test_the_opaque_grouped_mm_is_the_grouped_gemm():
+    """`dsv41c::grouped_mm` returns torch._grouped_mm's result bit for bit (bf16 experts on the
+    CPU, groups of 0..n rows), a bf16 MoE through it equals the MoE through the aten op, and the
+    op passes torch.library's opcheck (schema, fake tensor, AOT dispatch)."""
+    from dsv41c.model import Block
+    from dsv41c.moe import Experts
+
+    g = torch.Generator().manual_seed(secrets.randbits(31))
+    a = torch.randn(37, 64, generator=g).bfloat16()
+    b = torch.randn(4, 64, 48, generator=g).bfloat16()
+    offs = torch.tensor([5, 5, 30, 37], dtype=torch.int32)          # an empty group included
+    got = torch.ops.dsv41c.grouped_mm(a, b, offs)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, torch._grouped_mm(a, b, offs=offs))
+    torch.library.opcheck(torch.ops.dsv41c.grouped_mm.default, (a, b, offs))
+
+    model = dsv41c.build_model(cut_args(), seed=0, dtype=torch.bfloat16)
+    block = next(m for m in model.modules() if isinstance(m, Block))
+    moe = block.ffn
+    x = torch.randn(2, 9, model.args.dim, generator=g).bfloat16()
+    ref = moe(x)
+    experts = [m for m in moe.modules() if isinstance(m, Experts)]
+    for m in experts:
+        m.opaque_grouped_mm = True
+    try:
+        assert torch.equal(moe(x), ref)
+    finally:
+        for m in experts:
+            m.opaque_grouped_mm = False
 
 
 @pytest.mark.slow
@@ -477,22 +509,16 @@ def test_a_cuda_export_with_every_pass_generates_the_eager_tokens(tmp_path):
     assert loaded["new_ids"] == generate(model, loaded["ids"], NEW_TOKENS).new_ids
 
 
-def check_a_bf16_engram_export(device: str, tmp_path: Path, grouped: bool) -> None:
-    """Export a bf16 cut with an Engram layer on `device` (the experts through grouped GEMMs or not),
-    load it in a fresh process, generate without compiling; its tokens are compared with eager
-    through the same expert path (bf16 fusions may round otherwise, so agreement is reported, not
-    required)."""
-    from dsv41c.moe import Experts
-
+def check_a_bf16_engram_export(device: str, tmp_path: Path) -> None:
+    """Export a bf16 cut with an Engram layer on `device`, load it in a fresh process, generate
+    without compiling; its tokens are compared with eager (bf16 fusions may round otherwise, so
+    agreement is reported, not required)."""
     raw = json.loads((ROOT / "configs" / "tiny.json").read_text())
     raw.update(CUT, engram_layer_ids=[0], engram_num_embeddings=[1000])
     model = dsv41c.build_model(dsv41c.ModelArgs.from_dict(raw), seed=0, dtype=torch.bfloat16, device=device)
     artifact = dsv41c.export(model, tmp_path / "artifact", max_prompt_len=MAX_PROMPT)
     loaded = load_and_generate_in_a_fresh_process(artifact)
     assert loaded["compiled_graphs"] == 0 and len(loaded["new_ids"]) == NEW_TOKENS
-    for m in model.modules():
-        if isinstance(m, Experts):
-            m.grouped_gemm = grouped
     eager = generate(model, loaded["ids"], NEW_TOKENS).new_ids
     print(f"bf16 artifact tokens {loaded['new_ids']}, eager {eager}: {'agree' if eager == loaded['new_ids'] else 'differ'}")
 
@@ -504,18 +530,15 @@ def test_a_bf16_cuda_export_with_engram_loads_in_a_fresh_process(tmp_path):
     compile-time autotuning (random indices into the Engram table), on torch 2.11 the missing
     `_grouped_mm` shim, and on the H200's toolchain a package library carrying its own libstdc++
     (`share_libstdcxx`)."""
-    import importlib
-
-    grouped = importlib.import_module("dsv41c.export").aoti_has_shim("_grouped_mm", "cuda")
-    check_a_bf16_engram_export("cuda", tmp_path, grouped)
+    check_a_bf16_engram_export("cuda", tmp_path)
 
 
 @pytest.mark.slow
 def test_a_bf16_export_with_engram_and_no_grouped_mm_shim_loads_in_a_fresh_process(monkeypatch, tmp_path):
     """Opt-in (an AOTInductor compile): the GPU test's configuration on the CPU, with the
     `_grouped_mm` shim reported missing as torch 2.11's CUDA headers do, so the experts take the
-    path the H200 export takes."""
+    path the H200 export takes (`dsv41c::grouped_mm` through the proxy executor)."""
     import importlib
 
     monkeypatch.setattr(importlib.import_module("dsv41c.export"), "aoti_has_shim", lambda op, dev: op != "_grouped_mm")
-    check_a_bf16_engram_export("cpu", tmp_path, grouped=False)
+    check_a_bf16_engram_export("cpu", tmp_path)
