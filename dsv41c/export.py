@@ -348,9 +348,9 @@ def export(model: Transformer, out: str | os.PathLike, passes: Sequence[str] | N
     try:
         with built_in_place(out) as tmp:
             if experts and not aoti_has_shim("_grouped_mm", model.device.type):
-                # (tracing one GEMM per expert instead made the prefill graph many times larger and
-                # its AOTInductor compile minutes longer, and the package sync on every expert's
-                # token count)
+                # (tracing one GEMM per expert instead, as before, gave the prefill an unbacked size
+                # per expert and layer, nearly twice the graph and twice the AOTInductor compile time
+                # (BENCHMARKS.md), and a package that synchronised with the host on every expert)
                 for m in experts:
                     m.opaque_grouped_mm = True
             custom_ops: set[str] = set()
