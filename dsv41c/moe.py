@@ -124,15 +124,13 @@ class Experts(nn.Module):
         out = proj("w2", (route.reshape(-1, 1) * h).to(x.dtype))
         return out.view(n, k, -1)
 
-    # False: the non-grouped paths, as for other dtypes (a reference for tests)
-    grouped_gemm = True
     # True while `dsv41c.export` traces for a device whose AOTInductor C shims lack `_grouped_mm`:
     # the same GEMMs through the opaque `dsv41c::grouped_mm`
     opaque_grouped_mm = False
 
     def groupable(self, x: torch.Tensor) -> bool:
         """Whether `grouped` applies: dense bf16 weights and input (the grouped GEMM's one dtype)."""
-        return self.grouped_gemm and self.fmt == "dense" and x.dtype == self.w1.dtype == torch.bfloat16
+        return self.fmt == "dense" and x.dtype == self.w1.dtype == torch.bfloat16
 
     def grouped(self, x: torch.Tensor, route: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The same as `gathered` through one grouped GEMM per projection: the (token, slot) pairs

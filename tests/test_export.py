@@ -454,7 +454,7 @@ def test_the_opaque_grouped_mm_is_the_grouped_gemm():
         assert torch.equal(moe(x), ref)
     finally:
         for m in experts:
-            m.opaque_grouped_mm = False
+            del m.opaque_grouped_mm                 # back to the class default
 
 
 @pytest.mark.slow
