@@ -168,10 +168,14 @@ class Compressor(nn.Module):
         if state.is_prefill:
             groups = state.seqlen // rho
             # The open group's tokens go to their slots (position % rho) of the group buffer. Written
-            # as the last rho positions (clamped at 0), whatever the remainder: a slot of a completed
-            # group is stale, as in decode, and is overwritten before its group's entry is seen; a
-            # copy of remainder-many rows would guard on the remainder being 0 (one graph per residue).
-            last = (torch.arange(rho, device=x.device) + (state.seqlen - rho)).clamp(min=0)
+            # as the last rho positions (those before 0 replaced by 0), whatever the remainder: a slot
+            # of a completed group is stale, as in decode, and is overwritten before its group's entry
+            # is seen; a copy of remainder-many rows would guard on the remainder being 0 (one graph
+            # per residue). A `where`, not a clamp: Inductor turns a clamped index into a sympy Max,
+            # whose simplification fails on its loop variable (torch 2.13's AOTInductor: "vr must not
+            # be None for symbol q0").
+            last = torch.arange(rho, device=x.device) + (state.seqlen - rho)
+            last = torch.where(last < 0, 0, last)
             slots = last % rho
             cache.group_kv[:b].index_copy_(1, slots, a.index_select(1, last))
             cache.group_score[:b].index_copy_(1, slots, s.index_select(1, last))

@@ -126,6 +126,35 @@ def test_compressor_ratio2_prefill_odd_then_decode(tiny_args, ref):
     torch.testing.assert_close(lat.double(), _naive_pool(comp, x, [3], 2, eps, ref), rtol=1e-4, atol=1e-5)
 
 
+class _CompressorPrefill(torch.nn.Module):
+    def __init__(self, args):
+        super().__init__()
+        self.comp = _compressor(args, 2, torch.float32)
+        self.cache = LayerCache(args, _kv_role(2), torch.float32)
+
+    def forward(self, x):
+        return self.comp(x, _state(0, x.shape[1], x.shape[0]), self.cache)[0]
+
+
+def test_compressor_ratio2_prefill_compiles_with_a_dynamic_length(tiny_args):
+    """Inductor with a symbolic prompt length, as in the export's prefill: the open group's write
+    (last rho positions, those before 0 replaced) compiles and equals eager, latents and slots, for
+    prompts of either parity and one shorter than a group. (Written as a clamp, its index became a
+    sympy Max that Inductor's loop-body simplification failed on: "vr must not be None".)"""
+    torch.manual_seed(0)
+    module = _CompressorPrefill(tiny_args)
+    compiled = torch.compile(module, dynamic=True, fullgraph=True)
+    for n in (5, 6, 1):
+        x = torch.randn(2, n, tiny_args.dim)
+        module.cache.group_kv.zero_()
+        got = compiled(x)
+        got_slots = module.cache.group_kv.clone()
+        module.cache.group_kv.zero_()
+        torch.testing.assert_close(got, module(x))
+        torch.testing.assert_close(got_slots, module.cache.group_kv, rtol=0, atol=0)
+        assert got_slots[:, (n - 1) % 2].abs().sum() > 0  # the newest token's slot was written
+
+
 def test_compressor_ratio2_even_prefill_and_bf16(tiny_args, ref):
     args = tiny_args
     comp = _compressor(args, 2, torch.bfloat16)
