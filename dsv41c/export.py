@@ -45,7 +45,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
-import io
 import json
 import os
 import shutil
@@ -76,11 +75,10 @@ from dsv41c.tokenizer import Tokenizer
 
 FORMAT = 3                     # 2: "device" is an object; 3: weights outside the packages
 MANIFEST_FILE, TOKENIZER_FILE, WEIGHTS_FILE = "manifest.json", "tokenizer.json", "weights.safetensors"
-# AOTInductor: no constants in the compiled library; each one pickled into the package's
-# data/weights/, with <model>/data/aotinductor/model/weights_config.json naming them
+# AOTInductor: no constants in the compiled library; handed back as a `Weights` entry of its file
+# list (`compile_package` stores them in WEIGHTS_FILE, not in the package)
 WEIGHTS_OUTSIDE = {"aot_inductor.package_constants_in_so": False,
                    "aot_inductor.package_constants_on_disk_format": "pickle_weights"}
-WEIGHTS_CONFIG, WEIGHTS_DIR = "weights_config.json", "/data/weights/"
 CACHE_PREFIX = "cache."
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 BATCH = 1                      # generation runs one sequence; the programs are exported for it
@@ -255,38 +253,41 @@ class WeightStore:
         return self._by_digest[digest]
 
 
-def take_weights(package: Path, store: WeightStore) -> dict[str, list]:
-    """Move the constants AOTInductor wrote into `package` (data/weights/: one pickled tensor per
-    storage; weights_config.json: constant name -> [file, shape, stride, offset] into it) into
-    `store`, each storage as a flat tensor, and rewrite the package without them. Returns the
-    package's constants as name -> [stored tensor, shape, stride, offset]."""
-    with zipfile.ZipFile(package) as z:
-        infos = z.infolist()
-        configs = [i for i in infos if i.filename.endswith("/" + WEIGHTS_CONFIG)]
-        if len(configs) != 1:
-            raise ArtifactError(f"{package}: expected one {WEIGHTS_CONFIG} from AOTInductor, found {len(configs)}")
-        config = json.loads(z.read(configs[0]))
-        files = {i.filename.rsplit("/", 1)[1]: i for i in infos if WEIGHTS_DIR in i.filename}
-        users = {}
-        for name, (file, *_) in config.items():
-            users.setdefault(file, name)
-        stored = {}
-        for file, info in files.items():
-            t = torch.load(io.BytesIO(z.read(info)), map_location="cpu", weights_only=True)
-            storage = t.untyped_storage()
-            flat = torch.empty(0, dtype=t.dtype).set_(storage, 0, (storage.nbytes() // t.element_size(),))
-            stored[file] = store.add(users.get(file, file), flat)
-        missing = sorted(f for f, *_ in config.values() if f not in stored)
-        if missing:
-            raise ArtifactError(f"{package}: {WEIGHTS_CONFIG} names {missing[0]}, which the package lacks")
-        fd, rewritten = tempfile.mkstemp(dir=package.parent, suffix=".pt2")
-        os.close(fd)
-        with zipfile.ZipFile(rewritten, "w") as out:
-            for info in infos:
-                if info is not configs[0] and WEIGHTS_DIR not in info.filename:
-                    out.writestr(info, z.read(info))
-    os.replace(rewritten, package)
-    return {name: [stored[file], shape, stride, offset] for name, (file, shape, stride, offset) in config.items()}
+def compile_package(ep: torch.export.ExportedProgram, package: Path, options: dict[str, Any],
+                    store: WeightStore) -> dict[str, list]:
+    """AOTInductor-compile `ep` into the package file `package`, code only, and put its constants into
+    `store`, each storage once, as a flat tensor on the CPU. Returns the package's constants as
+    name -> [stored tensor, shape, stride, offset].
+
+    These are the steps of `torch._inductor.aoti_compile_and_package` (`aot_compile` with packaging
+    on, then `package_aoti`), except that the constants AOTInductor hands back (with
+    `package_constants_on_disk_format="pickle_weights"`, one `Weights` entry in its file list) go
+    straight to the store instead of being pickled into the package and read back out of it: for
+    bench.json on an H200 that round trip was a minute and a half of pickling per package before
+    any reading."""
+    from torch._inductor.package import package_aoti
+    from torch.export.pt2_archive._package_weights import Weights
+
+    args, kwargs = ep.example_inputs
+    files = torch._inductor.aot_compile(ep.module(check_guards=False), args, kwargs,
+                                        options={**options, "aot_inductor.package": True})
+    found = [f for f in files if isinstance(f, Weights)]
+    if len(found) != 1:
+        raise ArtifactError(f"{package.name}: expected the constants from AOTInductor once, found {len(found)} sets")
+    package_aoti(str(package), [f for f in files if not isinstance(f, Weights)])
+    constants, stored = {}, {}
+    for name, (t, props) in found[0].items():
+        if tuple(t.shape) != tuple(props.shape) or tuple(t.stride()) != tuple(props.stride):
+            raise ArtifactError(f"{package.name}: constant {name!r}: AOTInductor's value has shape {tuple(t.shape)} "
+                                f"and strides {t.stride()}, its graph {tuple(props.shape)} and {tuple(props.stride)}")
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), t.device, t.dtype)
+        if key not in stored:
+            flat = torch.empty(0, dtype=t.dtype, device=t.device)
+            flat.set_(storage, 0, (storage.nbytes() // t.element_size(),))
+            stored[key] = store.add(name, flat.cpu())
+        constants[name] = [stored[key], list(t.shape), list(t.stride()), t.storage_offset()]
+    return constants
 
 
 def check_out_dir(path: Path, option: str = "--out") -> None:
@@ -368,13 +369,10 @@ def export(model: Transformer, out: str | os.PathLike, passes: Sequence[str] | N
                 hook = options.pop("post_grad_custom_post_pass")
                 options.update(fx_graph_cache=False, **WEIGHTS_OUTSIDE)
                 with torch.no_grad(), torch._inductor.config.patch(post_grad_custom_post_pass=hook):
-                    torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp / spec.file),
-                                                             inductor_configs=options)
+                    spec.constants = compile_package(ep, tmp / spec.file, options, weights)
                 spec.pass_matches = {s.name: s.matches for s in pipeline.stats.values()}
                 spec.code_sha256 = code_digest(tmp / spec.file)
                 custom_ops |= set(_custom_ops(tmp / spec.file))
-                stage(f"moving the weights of {spec.file} into {WEIGHTS_FILE}")
-                spec.constants = take_weights(tmp / spec.file, weights)
             stage("loading the packages in a fresh process")
             check_packages_load(tmp, [spec.file for spec in specs], sorted(custom_ops), model.device)
             stage(f"writing {WEIGHTS_FILE}, the tokenizer and the manifest")

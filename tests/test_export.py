@@ -62,7 +62,7 @@ def exported(tmp_path_factory):
     stages = []
     out = dsv41c.export(model, tmp_path_factory.mktemp("export") / "artifact", DEFAULT_PASSES, strict=True,
                         max_prompt_len=MAX_PROMPT, source={"seed": 0}, on_stage=stages.append)
-    assert len(stages) == 8 and stages[-2] == "loading the packages in a fresh process", stages
+    assert len(stages) == 6 and stages[-2] == "loading the packages in a fresh process", stages
     assert stages[-1].startswith("writing"), stages
     return model, out
 
