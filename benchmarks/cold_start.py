@@ -16,6 +16,8 @@ paths draw the random weights in the process instead (`build_model`, seed 0; on 
 is minutes of host RNG, which no deployment pays). Without --artifact, the model is exported first
 into a temp directory (minutes on a CPU core), for --device with --dtype (the artifact given must
 match them and hold the seed-0 weights of --config). On CPU each process runs one thread.
+--workdir keeps the checkpoint, the artifact, the Inductor cache and each finished row, so that a
+run stopped part way (a large config needs about 25 minutes on an H200) goes on where it stopped.
 --paths picks some of the paths (artifact, compile, eager), so that a large config's paths can run
 on two GPUs of one host at once; without the artifact path nothing is exported. --passes and
 --kv-quant set the pass pipeline and the KV numerics of both the export and the compile (eager runs
@@ -24,8 +26,10 @@ with the same --kv-quant), so the artifact and the compile run the same program.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -81,6 +85,25 @@ def child(mode: str, opts: argparse.Namespace, artifact: str, checkpoint: str, e
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@contextlib.contextmanager
+def workdir(opts: argparse.Namespace):
+    """(directory, finished rows by name, where to save them or None): a temp directory, or --workdir
+    with the rows of earlier runs with the same options (other options there are an error)."""
+    if opts.workdir is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            yield tmp, {}, None
+        return
+    root = Path(opts.workdir).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    key = {k: v for k, v in vars(opts).items() if k not in ("paths", "workdir")}
+    saved = root / "options.json"
+    if saved.exists() and json.loads(saved.read_text()) != key:
+        sys.exit(f"--workdir {root}: holds a run with other options ({saved}); use another directory")
+    saved.write_text(json.dumps(key, indent=1))
+    rows_file = root / "rows.json"
+    yield str(root), json.loads(rows_file.read_text()) if rows_file.exists() else {}, rows_file
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="configs/tiny.json")
@@ -97,6 +120,9 @@ def main() -> None:
     parser.add_argument("--weights", choices=("checkpoint", "random"), default="checkpoint",
                         help="compile and eager paths: load a checkpoint of the seed-0 model (default) or draw "
                              "the random weights in the process")
+    parser.add_argument("--workdir", default=None,
+                        help="keep the checkpoint, the artifact, the Inductor cache and the finished rows here "
+                             "(default: a temp directory); a rerun with the same options reuses what is done")
     opts = parser.parse_args()
     opts.passes = [p for p in opts.passes.split(",") if p]
     paths = [p for p in opts.paths.split(",") if p]
@@ -106,18 +132,20 @@ def main() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"} if opts.device == "cpu" else dict(os.environ)
     # Every child runs in the temp directory: `python -c`/`-m` put the working directory first on
     # sys.path, and a source checkout there would shadow the installed dsv41c package.
-    with tempfile.TemporaryDirectory() as tmp:
+    with workdir(opts) as (tmp, done, rows_file):
         artifact = opts.artifact and str(Path(opts.artifact).resolve())
         export = artifact is None and "artifact" in paths
         checkpoint = ""
         if opts.weights == "checkpoint" and (export or {"compile", "eager"} & set(paths)):
             checkpoint = str(Path(tmp) / "checkpoint")
             t0 = time.perf_counter()
-            subprocess.run([sys.executable, "-c", SAVE, opts.config, opts.dtype, checkpoint], check=True, env=env,
-                           cwd=tmp)
-            print(f"checkpoint of the seed-0 model written: {time.perf_counter() - t0:.0f} s", flush=True)
+            if not (Path(checkpoint) / "config.json").exists():  # (written last)
+                subprocess.run([sys.executable, "-c", SAVE, opts.config, opts.dtype, checkpoint], check=True,
+                               env=env, cwd=tmp)
+                print(f"checkpoint of the seed-0 model written: {time.perf_counter() - t0:.0f} s", flush=True)
         if export:
             artifact = str(Path(tmp) / "artifact")
+        if export and not Path(artifact).exists():  # (an export is complete or absent)
             t0 = time.perf_counter()
             source = ["--model", checkpoint] if checkpoint else ["--config", opts.config]
             subprocess.run([sys.executable, "-m", "dsv41c.cli.main", "export", *source,
@@ -132,8 +160,14 @@ def main() -> None:
                                       ("dsv41c.compile, warm cache", "compile", cache_env),
                                       ("eager", "eager", env)):
             if mode in paths:
-                rows[name] = child(mode, opts, artifact or "", checkpoint, child_env, tmp)
-                print(f"{name}: {rows[name]}", flush=True)
+                if name.endswith("empty cache") and name not in done:  # (a killed run may have left some)
+                    shutil.rmtree(cache_env["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
+                earlier = name in done
+                rows[name] = done[name] if earlier else child(mode, opts, artifact or "", checkpoint, child_env, tmp)
+                done[name] = rows[name]
+                if rows_file:  # each row as it finishes: a rerun after a kill goes on from here
+                    rows_file.write_text(json.dumps(done, indent=1))
+                print(f"{name}: {rows[name]}{' (an earlier run)' if earlier else ''}", flush=True)
     tokens = {r["token"] for r in rows.values()}
     base = rows["artifact (load)"]["total"] if "artifact (load)" in rows else None
     threads = ", 1 thread" if opts.device == "cpu" else ""
