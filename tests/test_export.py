@@ -24,6 +24,7 @@ from typer.testing import CliRunner
 import dsv41c
 from dsv41c.cli.main import app
 from dsv41c.compiler import DEFAULT_PASSES
+from dsv41c.config import build_layer_plan
 from dsv41c.errors import ArtifactError, InputError
 from dsv41c.export import MANIFEST_FILE, load_artifact, sha256, verify
 from dsv41c.generate import generate
@@ -31,6 +32,10 @@ from dsv41c.passes.manager import build_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
 CUT = dict(THREE_KINDS, hc_sinkhorn_iters=1, engram_layer_ids=[], engram_num_embeddings=[])
+# tiny's first four layers, as tiny.json has them (its ratio-2 kv source and the layer reusing it)
+RATIO_2_CUT = dict(n_layers=4, n_mtp_layers=0, compress_ratios=[0, 2, 2, 1], kv_source_layers=[1, 3],
+                   index_source_layers=[1, 3], candidate_source_layer=3, dspark_block_size=0,
+                   dspark_target_layer_ids=[], hc_sinkhorn_iters=1, engram_layer_ids=[0], engram_num_embeddings=[1000])
 MAX_PROMPT = 32
 PROMPT = "export me, then load me"
 NEW_TOKENS = 6
@@ -119,13 +124,17 @@ def test_manifest_records_the_pipeline_its_matches_versions_bounds_and_hashes(ex
 
 
 def test_one_prefill_and_one_decode_program_cover_both_parities_of_a_ratio_2_model():
-    """tiny (ratio-2 layers): the prefill exported once equals eager, caches included, on prompts
-    of either parity; the decode step spans positions 4..255 and equals eager at an even and an odd
-    position (torch.export only, no AOTInductor build)."""
+    """tiny's first four layers (ratio 0, two of ratio 2, ratio 1; an Engram layer): the prefill
+    exported once equals eager, caches included, on prompts of either parity; the decode step spans
+    positions 4..255 and equals eager at an even and an odd position (torch.export only, no
+    AOTInductor build)."""
     from dsv41c.export import _export_program, cache_names, prefill_inputs, program_specs
     specs = program_specs()
     assert [(s.file, s.period, s.residue) for s in specs] == [("prefill.pt2", 1, 0), ("decode.pt2", 1, 0)]
-    model = dsv41c.build_model(dsv41c.ModelArgs.from_json(ROOT / "configs" / "tiny.json"), seed=0, kv_quant=True)
+    raw = json.loads((ROOT / "configs" / "tiny.json").read_text())
+    raw.update(RATIO_2_CUT)
+    model = dsv41c.build_model(dsv41c.ModelArgs.from_dict(raw), seed=0, kv_quant=True)
+    assert [r.ratio for r in build_layer_plan(model.args)] == [0, 2, 2, 1]
     names = set(cache_names(model))
     caches = [b for n, b in model.named_buffers() if n in names]
     with torch.no_grad():
