@@ -235,11 +235,15 @@ def _custom_ops(package: Path) -> list[str]:
 
 class WeightStore:
     """Tensors by content: `add` returns the name of an equal tensor already held, else holds this
-    one under `name` (made unique)."""
+    one under `name` (made unique). `add_storage` adds a tensor's whole storage, once per storage."""
 
     def __init__(self):
         self.tensors: dict[str, torch.Tensor] = {}
         self._by_digest: dict[str, str] = {}
+        # (storage address, device, dtype) -> (a view holding the storage alive, its stored name):
+        # the prefill's and decode's packages share most constants, which are then neither copied
+        # to the CPU nor hashed a second time (held, so an address cannot be reused meanwhile)
+        self._by_storage: dict[tuple, tuple[torch.Tensor, str]] = {}
 
     def add(self, name: str, t: torch.Tensor) -> str:
         digest = hashlib.sha256(str(t.dtype).encode() + t.view(torch.uint8).numpy().data).hexdigest()
@@ -252,11 +256,21 @@ class WeightStore:
             self._by_digest[digest] = key
         return self._by_digest[digest]
 
+    def add_storage(self, name: str, t: torch.Tensor) -> str:
+        """The stored name of `t`'s whole storage, as a flat tensor on the CPU."""
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), t.device, t.dtype)
+        if key not in self._by_storage:
+            flat = torch.empty(0, dtype=t.dtype, device=t.device)
+            flat.set_(storage, 0, (storage.nbytes() // t.element_size(),))
+            self._by_storage[key] = flat, self.add(name, flat.cpu())
+        return self._by_storage[key][1]
+
 
 def compile_package(ep: torch.export.ExportedProgram, package: Path, options: dict[str, Any],
                     store: WeightStore) -> dict[str, list]:
-    """AOTInductor-compile `ep` into the package file `package`, code only, and put its constants into
-    `store`, each storage once, as a flat tensor on the CPU. Returns the package's constants as
+    """AOTInductor-compile `ep` into the package file `package`, code only, and put its constants'
+    storages into `store` (`WeightStore.add_storage`). Returns the package's constants as
     name -> [stored tensor, shape, stride, offset].
 
     These are the steps of `torch._inductor.aoti_compile_and_package` (`aot_compile` with packaging
@@ -275,18 +289,12 @@ def compile_package(ep: torch.export.ExportedProgram, package: Path, options: di
     if len(found) != 1:
         raise ArtifactError(f"{package.name}: expected the constants from AOTInductor once, found {len(found)} sets")
     package_aoti(str(package), [f for f in files if not isinstance(f, Weights)])
-    constants, stored = {}, {}
+    constants = {}
     for name, (t, props) in found[0].items():
         if tuple(t.shape) != tuple(props.shape) or tuple(t.stride()) != tuple(props.stride):
             raise ArtifactError(f"{package.name}: constant {name!r}: AOTInductor's value has shape {tuple(t.shape)} "
                                 f"and strides {t.stride()}, its graph {tuple(props.shape)} and {tuple(props.stride)}")
-        storage = t.untyped_storage()
-        key = (storage.data_ptr(), t.device, t.dtype)
-        if key not in stored:
-            flat = torch.empty(0, dtype=t.dtype, device=t.device)
-            flat.set_(storage, 0, (storage.nbytes() // t.element_size(),))
-            stored[key] = store.add(name, flat.cpu())
-        constants[name] = [stored[key], list(t.shape), list(t.stride()), t.storage_offset()]
+        constants[name] = [store.add_storage(name, t), list(t.shape), list(t.stride()), t.storage_offset()]
     return constants
 
 
