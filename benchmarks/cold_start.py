@@ -22,6 +22,10 @@ run stopped part way (a large config needs about 25 minutes on an H200) goes on 
 on two GPUs of one host at once; without the artifact path nothing is exported. --passes and
 --kv-quant set the pass pipeline and the KV numerics of both the export and the compile (eager runs
 with the same --kv-quant), so the artifact and the compile run the same program.
+
+Each row records its first token and the gap between its two largest logits ("margin"), so that
+tokens which differ can be told apart from a near tie; the artifact's row also records where its
+load went (`Artifact.load_seconds`: the hashes, the weights, each package).
 """
 from __future__ import annotations
 
@@ -58,13 +62,16 @@ elif checkpoint:
 else:
     model = dsv41c.build_model(dsv41c.ModelArgs.from_json(config), seed=0, dtype=getattr(torch, dtype),
                                device=device, kv_quant=kv_quant)
-    if mode == "compile":
-        model = dsv41c.compile(model, passes)
+if mode == "compile":
+    model = dsv41c.compile(model, passes)
 t_ready = time.perf_counter()
-token = int(model(ids, 0).argmax(-1))        # reads the token back: the device has finished
+logits = model(ids, 0).float()
+token = int(logits.argmax(-1))               # reads the token back: the device has finished
 t_first = time.perf_counter()
+top2 = logits.flatten().topk(2).values.tolist()
 print(json.dumps({"import": t_import - t0, "ready": t_ready - t_import, "first": t_first - t_ready,
-                  "total": t_first - t0, "token": token}))
+                  "total": t_first - t0, "token": token, "margin": top2[0] - top2[1],
+                  "load": getattr(model, "load_seconds", None)}))
 """
 
 
@@ -182,6 +189,11 @@ def main() -> None:
         ratio = f"{r['total'] / base:10.2f}" if base else f"{'-':>10}"
         print(f"| {name:<28} | {r['import']:8.2f} | {r['ready']:20.2f} | {r['first']:9.2f} | {r['total']:7.2f} "
               f"| {ratio} |")
+    for name, r in rows.items():
+        if r.get("load"):
+            print(f"{name}, its load: " + ", ".join(f"{k} {v:.2f} s" for k, v in r["load"].items()))
+    print("first tokens (logit margin): " + ", ".join(f"{name} {r['token']} ({r.get('margin', float('nan')):.3f})"
+                                                      for name, r in rows.items()))
 
 
 if __name__ == "__main__":

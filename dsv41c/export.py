@@ -67,7 +67,7 @@ from dsv41c.cache import ModelCache
 from dsv41c.compiler import DEFAULT_PASSES, inductor_options
 from dsv41c.config import ModelArgs, build_layer_plan
 from dsv41c.errors import ArtifactError, InputError
-from dsv41c.golden import file_sha256
+from dsv41c.golden import BF16_BOUND, QUANT_RUNNER_BOUND, RUNNER_BOUND, file_sha256, relative_error
 from dsv41c.model import Transformer, check_token_range
 from dsv41c.moe import Experts
 from dsv41c.passes.manager import build_pipeline
@@ -389,6 +389,9 @@ def export(model: Transformer, out: str | os.PathLike, passes: Sequence[str] | N
             model.tokenizer.backend.save(str(tmp / TOKENIZER_FILE))
             manifest = _manifest(model, specs, names, strict, uuid, sorted(custom_ops), source, target, tmp)
             (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+            stage("checking the artifact against the model, loaded in a fresh process")
+            manifest["check"] = check_artifact(tmp, model, manifest["bounds"], check_bound(model, names))
+            (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     finally:
         for m in experts:
             m.__dict__.pop("opaque_grouped_mm", None)  # back to the class default
@@ -429,6 +432,70 @@ def check_packages_load(root: Path, files: list[str], custom_ops: list[str], dev
     raise ArtifactError(f"export: AOTInductor's loader fails on the package {culprit} it built ({status}); "
                         f"nothing was written. torch {torch.__version__}, {target_of(device)}. Its last "
                         f"words:\n" + "\n".join(tail))
+
+
+CHECK_PROMPT_LEN = 24          # the check's prompt, if the bounds allow (else the nearest length they do)
+
+# The user's side of `check_artifact`: argv = artifact, a torch.save file with the prompt ("ids") and
+# the decode step's token ("next", optional), replaced by the logits.
+_RUN_CHECK = """
+import sys
+import torch
+from dsv41c.export import load_artifact
+root, io = sys.argv[1], sys.argv[2]
+given = torch.load(io)
+artifact = load_artifact(root)
+ids = given["ids"].to(artifact.device)
+out = {"prefill": artifact(ids, 0).float().cpu()}
+if "next" in given:
+    out["decode"] = artifact(given["next"].to(artifact.device), ids.shape[1]).float().cpu()
+torch.save(out, io)
+"""
+
+
+def check_bound(model: Transformer, passes: Sequence[str]) -> float:
+    """The largest relative max-abs error (DESIGN.md) allowed between the artifact's logits and the
+    eager model's: 1e-4 for fp32, 1e-3 with fp4_kv's packed caches, and for bf16 twice the bf16
+    bound (each of the two bf16 programs may be 2e-2 from the fp32 twin)."""
+    if model.dtype == torch.bfloat16:
+        return 2 * BF16_BOUND
+    return QUANT_RUNNER_BOUND if "fp4_kv" in passes else RUNNER_BOUND
+
+
+def check_artifact(root: Path, model: Transformer, bounds: dict, bound: float) -> dict[str, Any]:
+    """Load the finished artifact in a fresh process, as a user does (hashes, versions, weights,
+    packages), run a seeded prompt and one decode step, and compare the logits with the eager
+    model's (relative max-abs, `bound`). Returns what was measured, for the manifest; raises
+    ArtifactError past the bound, so a package that computes something else is never shipped."""
+    lo, hi = bounds["prompt_len"]
+    n = min(max(lo, CHECK_PROMPT_LEN), hi)
+    ids = torch.randint(0, model.args.vocab_size, (BATCH, n), generator=torch.Generator().manual_seed(0))
+    model.reset_cache()
+    with torch.no_grad():
+        ref = {"prefill": model(ids.to(model.device), 0).float().cpu()}
+        given = {"ids": ids}
+        d_lo, d_hi = bounds["decode_pos"]
+        if d_lo <= n <= d_hi:
+            given["next"] = ref["prefill"].argmax(-1, keepdim=True)
+            ref["decode"] = model(given["next"].to(model.device), n).float().cpu()
+    model.reset_cache()
+    with tempfile.TemporaryDirectory() as scratch:
+        io = Path(scratch) / "check.pt"
+        torch.save(given, io)
+        proc = subprocess.run([sys.executable, "-c", _RUN_CHECK, str(root), str(io)], capture_output=True,
+                              text=True, cwd=scratch)
+        if proc.returncode:
+            tail = [line for line in proc.stderr.strip().splitlines() if line.strip()][-6:]
+            raise ArtifactError("export: the artifact could not be loaded and run in a fresh process; nothing "
+                                "was written. Its last words:\n" + "\n".join(tail))
+        found = torch.load(io)
+    errors = {k: relative_error(found[k], ref[k]) for k in ref}
+    for k, err in errors.items():
+        if not err <= bound:
+            raise ArtifactError(f"export: the artifact's {k} logits differ from the eager model's by {err:.3g} "
+                                f"(relative max-abs; bound {bound:g}, prompt of {n} seeded tokens); nothing "
+                                f"was written. torch {torch.__version__}, {target_of(model.device)}")
+    return {"prompt_len": n, "bound": bound, "relative_error": errors}
 
 
 def aoti_has_shim(op: str, device_type: str) -> bool:
@@ -550,8 +617,10 @@ class Artifact:
     position's logits [1, V] fp32), with the caches owned here and shared by every program.
 
     args, tokenizer and manifest are the artifact's; `bounds` (prompt lengths, decode positions)
-    are the exported ranges, and a call outside them is an InputError.
+    are the exported ranges, and a call outside them is an InputError. `load_seconds`: what
+    `load_artifact` spent on verifying the hashes, reading the weights and loading each package.
     """
+    load_seconds: dict[str, float]
 
     def __init__(self, root: Path, manifest: dict[str, Any], programs: list[tuple[ProgramSpec, Any]],
                  tokenizer: Tokenizer, weights: dict[str, torch.Tensor]):
@@ -660,16 +729,21 @@ def load_artifact(path: str | os.PathLike) -> Artifact:
     """Verify an exported artifact (hashes, versions, custom ops) and load its packages; nothing
     is compiled. Raises ArtifactError naming the file and what is wrong."""
     root = Path(path)
+    t0 = time.perf_counter()
     manifest = verify(root)
+    seconds = {"verify": time.perf_counter() - t0}
     _check_device(root, manifest.get("device"))
     _register_custom_ops(root, list(manifest.get("custom_ops", [])))
     tok = manifest["tokenizer"]
     tokenizer = Tokenizer.from_file(root / tok["file"], bos_id=tok.get("bos_id"), pad_id=tok.get("pad_id"),
                                     noise_id=tok.get("noise_id"))
+    t0 = time.perf_counter()
     weights = _load_weights(root, manifest)
+    seconds["weights"] = time.perf_counter() - t0
     share_libstdcxx()
     programs = []
     for p in manifest["programs"]:
+        t0 = time.perf_counter()
         spec = ProgramSpec(p["phase"], p["period"], p["residue"], p["file"], p["min"], p["max"], p.get("pass_matches"),
                            constants=p.get("constants"))
         try:
@@ -678,9 +752,12 @@ def load_artifact(path: str | os.PathLike) -> Artifact:
             raise ArtifactError(f"{root / spec.file}: AOTInductor could not load the package ({e})") from None
         _bind_constants(root, spec, runner, weights)
         programs.append((spec, runner))
+        seconds[spec.file] = time.perf_counter() - t0
     if not programs:
         raise _bad(root, "programs: empty")
-    return Artifact(root, manifest, programs, tokenizer, weights)
+    artifact = Artifact(root, manifest, programs, tokenizer, weights)
+    artifact.load_seconds = seconds
+    return artifact
 
 
 def _load_weights(root: Path, manifest: dict[str, Any]) -> dict[str, torch.Tensor]:

@@ -26,7 +26,7 @@ from dsv41c.cli.main import app
 from dsv41c.compiler import DEFAULT_PASSES
 from dsv41c.config import build_layer_plan
 from dsv41c.errors import ArtifactError, InputError
-from dsv41c.export import MANIFEST_FILE, load_artifact, sha256, verify
+from dsv41c.export import MANIFEST_FILE, check_artifact, load_artifact, sha256, verify
 from dsv41c.generate import generate
 from dsv41c.passes.manager import build_pipeline
 
@@ -67,8 +67,8 @@ def exported(tmp_path_factory):
     stages = []
     out = dsv41c.export(model, tmp_path_factory.mktemp("export") / "artifact", DEFAULT_PASSES, strict=True,
                         max_prompt_len=MAX_PROMPT, source={"seed": 0}, on_stage=stages.append)
-    assert len(stages) == 6 and stages[-2] == "loading the packages in a fresh process", stages
-    assert stages[-1].startswith("writing"), stages
+    assert len(stages) == 7 and stages[-3] == "loading the packages in a fresh process", stages
+    assert stages[-2].startswith("writing") and stages[-1].startswith("checking the artifact"), stages
     return model, out
 
 
@@ -121,6 +121,21 @@ def test_manifest_records_the_pipeline_its_matches_versions_bounds_and_hashes(ex
     assert all(sha256(artifact / name) == digest for name, digest in m["files"].items())
     assert m["tokenizer"]["bos_id"] == model.tokenizer.bos_id
     assert verify(artifact) == m
+    check = m["check"]                          # the export's own run of the artifact against eager
+    assert check["bound"] == 1e-4 and set(check["relative_error"]) == {"prefill", "decode"}, check
+    assert m["bounds"]["prompt_len"][0] <= check["prompt_len"] <= m["bounds"]["prompt_len"][1]
+
+
+def test_the_export_check_refuses_an_artifact_that_computes_another_model(exported):
+    """`check_artifact` (the export's last stage) on the exported artifact: within 1e-4 of the model
+    it came from; against a model of other weights (seed 1) it raises instead of passing."""
+    model, artifact = exported
+    bounds = manifest_of(artifact)["bounds"]
+    errors = check_artifact(artifact, model, bounds, 1e-4)["relative_error"]
+    assert max(errors.values()) <= 1e-4, errors
+    other = dsv41c.build_model(cut_args(), seed=1)
+    with pytest.raises(ArtifactError, match="prefill logits differ from the eager model's"):
+        check_artifact(artifact, other, bounds, 1e-4)
 
 
 def test_one_prefill_and_one_decode_program_cover_both_parities_of_a_ratio_2_model():
