@@ -67,7 +67,7 @@ from dsv41c.cache import ModelCache
 from dsv41c.compiler import DEFAULT_PASSES, inductor_options
 from dsv41c.config import ModelArgs, build_layer_plan
 from dsv41c.errors import ArtifactError, InputError
-from dsv41c.golden import BF16_BOUND, QUANT_RUNNER_BOUND, RUNNER_BOUND, file_sha256, relative_error
+from dsv41c.golden import QUANT_RUNNER_BOUND, RUNNER_BOUND, file_sha256, relative_error
 from dsv41c.model import Transformer, check_token_range
 from dsv41c.moe import Experts
 from dsv41c.passes.manager import build_pipeline
@@ -453,12 +453,19 @@ torch.save(out, io)
 """
 
 
+BF16_CHECK_BOUND = 0.1
+
+
 def check_bound(model: Transformer, passes: Sequence[str]) -> float:
-    """The largest relative max-abs error (DESIGN.md) allowed between the artifact's logits and the
-    eager model's: 1e-4 for fp32, 1e-3 with fp4_kv's packed caches, and for bf16 twice the bf16
-    bound (each of the two bf16 programs may be 2e-2 from the fp32 twin)."""
+    """The largest relative max-abs error allowed between the artifact's logits and the eager
+    model's: DESIGN.md's 1e-4 for fp32 and 1e-3 with fp4_kv's packed caches. For bf16 the design
+    bounds each bf16 program against its fp32 twin (2e-2), which the check does not have, and two
+    bf16 programs of one function are measured farther apart than that bound suggests (3.4% between
+    a CPU artifact and eager for tiny's first four layers; eager bf16 alone is 2.6% from fp32 on
+    bench.json on an H200): the check takes 0.1, a tenth of the logits' scale, which passes rounding
+    and still refuses a different function (80% for bench.json's H200 artifact of 2026-12-01)."""
     if model.dtype == torch.bfloat16:
-        return 2 * BF16_BOUND
+        return BF16_CHECK_BOUND
     return QUANT_RUNNER_BOUND if "fp4_kv" in passes else RUNNER_BOUND
 
 
@@ -538,8 +545,71 @@ def _manifest(model: Transformer, specs: list[ProgramSpec], passes: list[str], s
         "cache": [[n, list(b.shape), str(b.dtype).removeprefix("torch.")]
                   for n, b in model.named_buffers() if n.startswith(CACHE_PREFIX)],
         "tokenizer": {"file": TOKENIZER_FILE, "bos_id": tok.bos_id, "pad_id": tok.pad_id, "noise_id": tok.noise_id},
-        "files": {p.name: sha256(p) for p in sorted(root.iterdir()) if p.name != MANIFEST_FILE},
+        **file_hashes(root),
     }
+
+
+# ------------------------------------------------------------------------------ hashes
+PIECE = 256 << 20      # a file larger than this is also hashed in pieces of this size
+
+
+def _sha256_of_range(path: Path, start: int, length: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        f.seek(start)
+        while length > 0:
+            block = f.read(min(length, 8 << 20))
+            if not block:
+                break
+            h.update(block)
+            length -= len(block)
+    return h.hexdigest()
+
+
+def _pool_size(jobs: int) -> int:
+    return max(1, min(jobs, os.cpu_count() or 1))
+
+
+def piece_hashes(path: Path, piece: int = PIECE) -> list[str]:
+    """sha256 of each `piece`-byte piece of the file (the last one shorter), hashed in parallel
+    (hashlib lets go of the GIL while it hashes)."""
+    from concurrent.futures import ThreadPoolExecutor
+    size = path.stat().st_size
+    starts = range(0, size, piece)
+    with ThreadPoolExecutor(_pool_size(len(starts))) as pool:
+        return list(pool.map(lambda start: _sha256_of_range(path, start, min(piece, size - start)), starts))
+
+
+def file_hashes(root: Path, piece: int = PIECE) -> dict[str, dict]:
+    """The manifest's `files` (name -> sha256 of the whole file, for every file but the manifest)
+    and `pieces` (for each file over one piece: its size, the piece size and each piece's sha256).
+    The load checks the pieces, in parallel, where they are listed: a weights file of tens of GB
+    is then hashed on every core instead of one (about 1 GB/s a core)."""
+    from concurrent.futures import ThreadPoolExecutor
+    paths = [p for p in sorted(root.iterdir()) if p.name != MANIFEST_FILE]
+    big = [p for p in paths if p.stat().st_size > piece]
+    with ThreadPoolExecutor(_pool_size(len(paths))) as pool:  # whole files beside the pieces
+        whole = {p.name: pool.submit(sha256, p) for p in paths}
+        pieces = {p.name: {"size": p.stat().st_size, "piece": piece, "sha256": piece_hashes(p, piece)} for p in big}
+        return {"files": {name: f.result() for name, f in whole.items()}, "pieces": pieces}
+
+
+def check_pieces(path: Path, entry: Any) -> None:
+    """A file against its manifest `pieces` entry: its size, then every piece's sha256."""
+    if not (isinstance(entry, dict) and isinstance(entry.get("size"), int) and isinstance(entry.get("piece"), int)
+            and entry["piece"] > 0 and isinstance(entry.get("sha256"), list)
+            and len(entry["sha256"]) == -(-entry["size"] // entry["piece"])):
+        raise ArtifactError(f"{path}: its {MANIFEST_FILE} pieces entry is malformed: {str(entry)[:200]}")
+    size = path.stat().st_size
+    if size != entry["size"]:
+        raise ArtifactError(f"{path}: size mismatch (truncated or tampered): expected {entry['size']} bytes, "
+                            f"found {size}")
+    found = piece_hashes(path, entry["piece"])
+    for i, (want, got) in enumerate(zip(entry["sha256"], found, strict=True)):
+        if want != got:
+            raise ArtifactError(f"{path}: sha256 mismatch (tampered or corrupted) in bytes "
+                                f"{i * entry['piece']}..{min(size, (i + 1) * entry['piece']) - 1}: expected {want}, "
+                                f"found {got}")
 
 
 # ------------------------------------------------------------------------------ load
@@ -569,15 +639,20 @@ def read_manifest(root: Path) -> dict[str, Any]:
 
 def verify(root: str | os.PathLike) -> dict[str, Any]:
     """Check an artifact before anything in it is loaded: the manifest's form, every listed file
-    present with its sha256, no unlisted file, and the versions equal to this process's. Returns
-    the manifest."""
+    present with its sha256 (a file listed under `pieces`: its size and each piece's sha256, in
+    parallel), no unlisted file, and the versions equal to this process's. Returns the manifest."""
     root = Path(root)
     manifest = read_manifest(root)
-    files = manifest["files"]
+    files, pieces = manifest["files"], manifest.get("pieces", {})
+    if not isinstance(pieces, dict) or not set(pieces) <= set(files):
+        raise _bad(root, "pieces: expected an entry per listed file over one piece")
     for name, digest in files.items():
         path = root / name
         if Path(name).name != name or not path.is_file():
             raise ArtifactError(f"{path}: listed in {MANIFEST_FILE} but missing")
+        if name in pieces:                      # large: its pieces, hashed in parallel
+            check_pieces(path, pieces[name])
+            continue
         found = sha256(path)
         if found != digest:
             raise ArtifactError(f"{path}: sha256 mismatch (tampered or corrupted): expected {digest}, found {found}")
