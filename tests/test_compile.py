@@ -3,7 +3,7 @@
 The whole-model compiles are slow (minutes of Inductor code generation per graph on a CPU core; the
 golden replay through passes_only compiles a few graphs per file), so they are opt-in:
 `pytest -m slow tests/test_compile.py`. The fast CI proof of the passes is in test_passes.py. One
-compile runs in CI: a four-layer cut in bf16 against eager and the fp32 twin (about a minute).
+compile runs in CI: a four-layer cut in bf16 against eager and the fp32 twin (about two minutes).
 """
 import json
 from pathlib import Path
