@@ -611,6 +611,56 @@ def test_a_bf16_cuda_export_of_tinys_first_layers_matches_eager(tmp_path, monkey
     assert check["bound"] == 0.1 and max(check["relative_error"].values()) <= check["bound"], check
 
 
+def check_a_package_with_its_constants_inside(device: str, tmp_path: Path) -> float:
+    """The prefill program of tiny's first four layers in bf16 (default passes, the experts as the
+    export traces them on `device`), packaged the way `aoti_compile_and_package` does by default:
+    constants inside the package, no user-managed binding. Returns its relative max-abs error
+    against eager on a seeded 24-token prompt."""
+    from torch._inductor import aoti_compile_and_package, aoti_load_package
+
+    from dsv41c.compiler import inductor_options
+    from dsv41c.golden import relative_error
+    from dsv41c.moe import Experts
+    E = export_module
+    raw = json.loads((ROOT / "configs" / "tiny.json").read_text())
+    raw.update(FIRST_FOUR)
+    model = dsv41c.build_model(dsv41c.ModelArgs.from_dict(raw), seed=0, dtype=torch.bfloat16, device=device)
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    for m in experts:
+        m.opaque_grouped_mm = not E.aoti_has_shim("_grouped_mm", device)
+    caches = [b.detach().clone() for name, b in model.named_buffers() if name.startswith(E.CACHE_PREFIX)]
+    with torch.no_grad():
+        ep, _ = E._export_program(model, E.ProgramSpec("prefill", 1, 0, "prefill.pt2"), caches, MAX_PROMPT)
+    pipeline = build_pipeline(DEFAULT_PASSES, False)
+    pipeline.bind(model)
+    options = inductor_options(pipeline)
+    hook = options.pop("post_grad_custom_post_pass")
+    with torch.no_grad(), torch._inductor.config.patch(post_grad_custom_post_pass=hook, fx_graph_cache=False):
+        path = aoti_compile_and_package(ep, package_path=str(tmp_path / "prefill.pt2"), inductor_configs=options)
+    E.share_libstdcxx()
+    runner = aoti_load_package(path)
+    ids = torch.randint(0, model.args.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0)).to(device)
+    model.reset_cache()
+    fresh = [b.detach().clone() for name, b in model.named_buffers() if name.startswith(E.CACHE_PREFIX)]
+    with torch.no_grad():
+        got = runner(*E.prefill_inputs(ids, 1), fresh).float()
+        want = model(ids, 0).float()
+    for m in experts:
+        m.__dict__.pop("opaque_grouped_mm", None)
+    return relative_error(got.cpu(), want.cpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_bf16_cuda_package_with_its_constants_inside_matches_eager(tmp_path):
+    """The other half of the bisection for bench.json's H200 artifact: the same program with
+    AOTInductor's own constant handling. If this passes and the artifact tests above fail, the
+    user-managed constants (`_bind_constants`) are the cause; if both fail, the compiled program."""
+    err = check_a_package_with_its_constants_inside("cuda", tmp_path)
+    print(f"constants inside the package: relative max-abs {err:.3g}")
+    assert err <= 0.1, err
+
+
 @pytest.mark.slow
 def test_a_bf16_export_with_engram_and_no_grouped_mm_shim_loads_in_a_fresh_process(monkeypatch, tmp_path):
     """Opt-in (an AOTInductor compile): the GPU test's configuration on the CPU, with the
