@@ -148,7 +148,8 @@ def test_cache_reads_go_in_uncopied_and_rows_past_the_read_stay_masked(dtype, fp
 
 
 def test_empty_list_and_out_of_range():
-    g = torch.Generator().manual_seed(fresh_seed())
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
     q = torch.randn(1, 2, 4, D_CPU, generator=g)
     kv = torch.randn(1, 10, D_CPU, generator=g)
     sink = torch.randn(4, generator=g)
@@ -156,7 +157,9 @@ def test_empty_list_and_out_of_range():
     idx = torch.tensor([[[3, 12, -1], [5, 6, 10]]], dtype=torch.int32)  # 10 and 12 are past the rows
     out = A.sparse_attn(q, kv, sink, idx, SCALE)
     ref = A.sparse_attn_ref(q, kv, sink, torch.where(idx < 10, idx, -1), SCALE)
-    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    # the kernel's fp32 sums run in another order than the reference's: 1e-5, as for every list
+    # (1e-6 failed once in CI at 1.2e-6)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5, msg=f"seed {seed}")
 
 
 def test_bad_arguments():
