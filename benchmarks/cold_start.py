@@ -71,7 +71,8 @@ t_first = time.perf_counter()
 top2 = logits.flatten().topk(2).values.tolist()
 print(json.dumps({"import": t_import - t0, "ready": t_ready - t_import, "first": t_first - t_ready,
                   "total": t_first - t0, "token": token, "margin": top2[0] - top2[1],
-                  "load": getattr(model, "load_seconds", None)}))
+                  "load": getattr(model, "load_seconds", None),
+                  "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"]}))
 """
 
 
@@ -89,7 +90,11 @@ def child(mode: str, opts: argparse.Namespace, artifact: str, checkpoint: str, e
                           capture_output=True, text=True, env=env, cwd=cwd)
     if proc.returncode:
         sys.exit(f"{mode} run failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    row = json.loads(proc.stdout.strip().splitlines()[-1])
+    # each path is what it says: the compile path compiled its graphs, the others none
+    if (row["graphs"] > 0) != (mode == "compile"):
+        sys.exit(f"{mode} run: {row['graphs']} graphs compiled, expected {'some' if mode == 'compile' else 'none'}")
+    return row
 
 
 @contextlib.contextmanager
