@@ -25,7 +25,8 @@ with the same --kv-quant), so the artifact and the compile run the same program.
 
 Each row records its first token and the gap between its two largest logits ("margin"), so that
 tokens which differ can be told apart from a near tie; the artifact's row also records where its
-load went (`Artifact.load_seconds`: the hashes, the weights, each package).
+load went (`Artifact.load_seconds`: the hashes, the weights, each package). A path that is not what
+it says (the compile path compiled no graph, the artifact or eager path compiled one) stops the run.
 """
 from __future__ import annotations
 
