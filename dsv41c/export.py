@@ -298,6 +298,26 @@ def compile_package(ep: torch.export.ExportedProgram, package: Path, options: di
     return constants
 
 
+@contextlib.contextmanager
+def pipeline_installed(model: Transformer, names: Sequence[str], strict: bool):
+    """(pipeline, Inductor options) for an AOTInductor compile of `model` with the pass pipeline
+    `names`, as `dsv41c.compile` runs it, while the block runs (grad off). The pipeline is installed
+    by config.patch, not passed in the options: AOTInductor deep-copies those, and the copy's
+    statistics would be lost. No FX graph cache: a hit would skip the passes."""
+    pipeline = build_pipeline(names, strict)
+    pipeline.bind(model)
+    options = inductor_options(pipeline)
+    hook = options.pop("post_grad_custom_post_pass")
+    options["fx_graph_cache"] = False
+    with torch.no_grad(), torch._inductor.config.patch(post_grad_custom_post_pass=hook):
+        yield pipeline, options
+
+
+def _last_words(proc: subprocess.CompletedProcess) -> str:
+    """The last non-empty lines a failed child process wrote to stderr."""
+    return "\n".join([line for line in proc.stderr.strip().splitlines() if line.strip()][-6:])
+
+
 def check_out_dir(path: Path, option: str = "--out") -> None:
     """An output directory (named by its CLI option in errors) must be new or empty, under an
     existing, writable parent: checked before long work, so a bad path fails at once."""
@@ -369,15 +389,8 @@ def export(model: Transformer, out: str | os.PathLike, passes: Sequence[str] | N
                 with torch.no_grad():
                     ep, (spec.lo, spec.hi) = _export_program(model, spec, caches, max_prompt_len)
                 stage(f"AOTInductor compile of {spec.file}")
-                pipeline = build_pipeline(names, strict)
-                pipeline.bind(model)
-                options = inductor_options(pipeline)
-                # Passed by config.patch, not inductor_configs: AOTInductor deep-copies the latter, and
-                # the copy's statistics would be lost. No FX graph cache: a hit would skip the passes.
-                hook = options.pop("post_grad_custom_post_pass")
-                options.update(fx_graph_cache=False, **WEIGHTS_OUTSIDE)
-                with torch.no_grad(), torch._inductor.config.patch(post_grad_custom_post_pass=hook):
-                    spec.constants = compile_package(ep, tmp / spec.file, options, weights)
+                with pipeline_installed(model, names, strict) as (pipeline, options):
+                    spec.constants = compile_package(ep, tmp / spec.file, {**options, **WEIGHTS_OUTSIDE}, weights)
                 spec.pass_matches = {s.name: s.matches for s in pipeline.stats.values()}
                 spec.code_sha256 = code_digest(tmp / spec.file)
                 custom_ops |= set(_custom_ops(tmp / spec.file))
@@ -428,10 +441,9 @@ def check_packages_load(root: Path, files: list[str], custom_ops: list[str], dev
     culprit = reached[-1] if reached else files[0]
     status = (f"killed by {signal.Signals(-proc.returncode).name}" if proc.returncode < 0
               else f"exit status {proc.returncode}")
-    tail = [line for line in proc.stderr.strip().splitlines() if line.strip()][-6:]
     raise ArtifactError(f"export: AOTInductor's loader fails on the package {culprit} it built ({status}); "
                         f"nothing was written. torch {torch.__version__}, {target_of(device)}. Its last "
-                        f"words:\n" + "\n".join(tail))
+                        f"words:\n" + _last_words(proc))
 
 
 CHECK_PROMPT_LEN = 24          # the check's prompt, if the bounds allow (else the nearest length they do)
@@ -494,9 +506,8 @@ def check_artifact(root: Path, model: Transformer, bounds: dict, bound: float) -
         proc = subprocess.run([sys.executable, "-c", _RUN_CHECK, str(root), str(io)], capture_output=True,
                               text=True, cwd=scratch)
         if proc.returncode:
-            tail = [line for line in proc.stderr.strip().splitlines() if line.strip()][-6:]
             raise ArtifactError("export: the artifact could not be loaded and run in a fresh process; nothing "
-                                "was written. Its last words:\n" + "\n".join(tail))
+                                "was written. Its last words:\n" + _last_words(proc))
         found = torch.load(io)
     errors = {k: relative_error(found[k], ref[k]) for k in ref}
     for k, err in errors.items():
@@ -697,11 +708,10 @@ class Artifact:
     are the exported ranges, and a call outside them is an InputError. `load_seconds`: what
     `load_artifact` spent on verifying the hashes, reading the weights and loading each package.
     """
-    load_seconds: dict[str, float]
 
     def __init__(self, root: Path, manifest: dict[str, Any], programs: list[tuple[ProgramSpec, Any]],
-                 tokenizer: Tokenizer, weights: dict[str, torch.Tensor]):
-        self.root, self.manifest, self.tokenizer = root, manifest, tokenizer
+                 tokenizer: Tokenizer, weights: dict[str, torch.Tensor], load_seconds: dict[str, float]):
+        self.root, self.manifest, self.tokenizer, self.load_seconds = root, manifest, tokenizer, load_seconds
         self.weights = weights      # the packages hold pointers into these tensors (user-managed constants)
         self.args = ModelArgs.from_dict(manifest["config"], source=f"{root / MANIFEST_FILE}: config")
         self.programs = programs
@@ -832,9 +842,7 @@ def load_artifact(path: str | os.PathLike) -> Artifact:
         seconds[spec.file] = time.perf_counter() - t0
     if not programs:
         raise _bad(root, "programs: empty")
-    artifact = Artifact(root, manifest, programs, tokenizer, weights)
-    artifact.load_seconds = seconds
-    return artifact
+    return Artifact(root, manifest, programs, tokenizer, weights, seconds)
 
 
 def _load_weights(root: Path, manifest: dict[str, Any]) -> dict[str, torch.Tensor]:

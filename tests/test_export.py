@@ -618,7 +618,6 @@ def check_a_package_with_its_constants_inside(device: str, tmp_path: Path) -> fl
     against eager on a seeded 24-token prompt."""
     from torch._inductor import aoti_compile_and_package, aoti_load_package
 
-    from dsv41c.compiler import inductor_options
     from dsv41c.golden import relative_error
     from dsv41c.moe import Experts
     E = export_module
@@ -631,11 +630,7 @@ def check_a_package_with_its_constants_inside(device: str, tmp_path: Path) -> fl
     caches = [b.detach().clone() for name, b in model.named_buffers() if name.startswith(E.CACHE_PREFIX)]
     with torch.no_grad():
         ep, _ = E._export_program(model, E.ProgramSpec("prefill", 1, 0, "prefill.pt2"), caches, MAX_PROMPT)
-    pipeline = build_pipeline(DEFAULT_PASSES, False)
-    pipeline.bind(model)
-    options = inductor_options(pipeline)
-    hook = options.pop("post_grad_custom_post_pass")
-    with torch.no_grad(), torch._inductor.config.patch(post_grad_custom_post_pass=hook, fx_graph_cache=False):
+    with E.pipeline_installed(model, DEFAULT_PASSES, False) as (_, options):
         path = aoti_compile_and_package(ep, package_path=str(tmp_path / "prefill.pt2"), inductor_configs=options)
     E.share_libstdcxx()
     runner = aoti_load_package(path)
