@@ -71,7 +71,7 @@ def export_command(
     build_pipeline(names, strict)               # unknown pass names fail now, not after the model build
 
     err, con = Console(stderr=True), Console(highlight=False)
-    stages = 3 + 2 * len(program_specs())
+    stages = 2 + 2 * len(program_specs())
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
     t0 = time.perf_counter()

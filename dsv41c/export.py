@@ -394,8 +394,6 @@ def export(model: Transformer, out: str | os.PathLike, passes: Sequence[str] | N
                 spec.pass_matches = {s.name: s.matches for s in pipeline.stats.values()}
                 spec.code_sha256 = code_digest(tmp / spec.file)
                 custom_ops |= set(_custom_ops(tmp / spec.file))
-            stage("loading the packages in a fresh process")
-            check_packages_load(tmp, [spec.file for spec in specs], sorted(custom_ops), model.device)
             stage(f"writing {WEIGHTS_FILE}, the tokenizer and the manifest")
             safetensors.torch.save_file(weights.tensors, str(tmp / WEIGHTS_FILE))
             del weights
@@ -428,7 +426,8 @@ for f in files:
 
 def check_packages_load(root: Path, files: list[str], custom_ops: list[str], device: torch.device) -> None:
     """Load each package (its compiled library, without constants) in a new interpreter, so that a
-    package which crashes the loader fails the export with a message instead of being shipped. Seen
+    package which crashes the loader fails the export with a message naming it, instead of being
+    shipped (`check_artifact` runs this when its own fresh process fails). Seen
     on an H200 with torch 2.11: CUDA packages segfaulted inside AOTInductor's package loader
     (`AOTIModelPackageLoader`) when their library carried its own libstdc++ (`share_libstdcxx`,
     which this check and `load_artifact` now call, is the cure for that one)."""
@@ -506,6 +505,9 @@ def check_artifact(root: Path, model: Transformer, bounds: dict, bound: float) -
         proc = subprocess.run([sys.executable, "-c", _RUN_CHECK, str(root), str(io)], capture_output=True,
                               text=True, cwd=scratch)
         if proc.returncode:
+            manifest = json.loads((root / MANIFEST_FILE).read_text(encoding="utf-8"))
+            # a package that crashes AOTInductor's loader is named (the check's child cannot say which)
+            check_packages_load(root, [p["file"] for p in manifest["programs"]], manifest["custom_ops"], model.device)
             raise ArtifactError("export: the artifact could not be loaded and run in a fresh process; nothing "
                                 "was written. Its last words:\n" + _last_words(proc))
         found = torch.load(io)
