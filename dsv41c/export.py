@@ -512,11 +512,12 @@ def check_artifact(root: Path, model: Transformer, bounds: dict, bound: float) -
                                 "was written. Its last words:\n" + _last_words(proc))
         found = torch.load(io)
     errors = {k: relative_error(found[k], ref[k]) for k in ref}
-    for k, err in errors.items():
-        if not err <= bound:
-            raise ArtifactError(f"export: the artifact's {k} logits differ from the eager model's by {err:.3g} "
-                                f"(relative max-abs; bound {bound:g}, prompt of {n} seeded tokens); nothing "
-                                f"was written. torch {torch.__version__}, {target_of(model.device)}")
+    bad = [k for k, err in errors.items() if not err <= bound]
+    if bad:
+        found = ", ".join(f"{k} {err:.3g}" for k, err in errors.items())
+        raise ArtifactError(f"export: the artifact's {' and '.join(bad)} logits differ from the eager model's "
+                            f"({found}; relative max-abs, bound {bound:g}, prompt of {n} seeded tokens); nothing "
+                            f"was written. torch {torch.__version__}, {target_of(model.device)}")
     return {"prompt_len": n, "bound": bound, "relative_error": errors}
 
 
