@@ -514,9 +514,9 @@ def check_artifact(root: Path, model: Transformer, bounds: dict, bound: float) -
     errors = {k: relative_error(found[k], ref[k]) for k in ref}
     bad = [k for k, err in errors.items() if not err <= bound]
     if bad:
-        found = ", ".join(f"{k} {err:.3g}" for k, err in errors.items())
+        each = ", ".join(f"{k} {err:.3g}" for k, err in errors.items())
         raise ArtifactError(f"export: the artifact's {' and '.join(bad)} logits differ from the eager model's "
-                            f"({found}; relative max-abs, bound {bound:g}, prompt of {n} seeded tokens); nothing "
+                            f"({each}; relative max-abs, bound {bound:g}, prompt of {n} seeded tokens); nothing "
                             f"was written. torch {torch.__version__}, {target_of(model.device)}")
     return {"prompt_len": n, "bound": bound, "relative_error": errors}
 
