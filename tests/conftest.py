@@ -5,6 +5,7 @@ float64 tensor algebra); they never call the dsv41c function they are used to ch
 """
 from __future__ import annotations
 
+import json
 import math
 import pathlib
 from types import SimpleNamespace
@@ -30,8 +31,6 @@ def one_thread():
 def record_tiny_cut(root: pathlib.Path, name: str, decode_steps: int, **overrides) -> pathlib.Path:
     """A golden recorded from tiny.json with `overrides` (a smaller model that still compiles in
     about a minute on one core): writes root/<name>.json and returns the golden file's path."""
-    import json
-
     from dsv41c import golden
     raw = json.loads((ROOT / "configs" / "tiny.json").read_text())
     raw.update(overrides)
@@ -50,6 +49,18 @@ THREE_KINDS = dict(n_layers=3, n_mtp_layers=0, compress_ratios=[1, 1, 1], kv_sou
 FIRST_FOUR = dict(n_layers=4, n_mtp_layers=0, compress_ratios=[0, 2, 2, 1], kv_source_layers=[1, 3],
                   index_source_layers=[1, 3], candidate_source_layer=3, dspark_block_size=0,
                   dspark_target_layer_ids=[], hc_sinkhorn_iters=1, engram_layer_ids=[0], engram_num_embeddings=[1000])
+
+
+def first_four_args(widths: str = "tiny") -> ModelArgs:
+    """FIRST_FOUR at tiny.json's widths, or at bench.json's ("bench": dim 5120, 64 heads of 512, 32
+    experts, its vocabulary, and its Sinkhorn iterations and an Engram table of its size, on layer 1)."""
+    raw = json.loads((ROOT / "configs" / f"{widths}.json").read_text())
+    own = dict(hc_sinkhorn_iters=raw["hc_sinkhorn_iters"], engram_layer_ids=[1],
+               engram_num_embeddings=raw["engram_num_embeddings"][:1])
+    raw.update(FIRST_FOUR)
+    if widths == "bench":
+        raw.update(own)
+    return ModelArgs.from_dict(raw)
 
 
 @pytest.fixture(scope="session")

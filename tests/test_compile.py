@@ -5,12 +5,11 @@ golden replay through passes_only compiles a few graphs per file), so they are o
 `pytest -m slow tests/test_compile.py`. The fast CI proof of the passes is in test_passes.py. One
 compile runs in CI: a four-layer cut in bf16 against eager and the fp32 twin (about two minutes).
 """
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import FIRST_FOUR
+from conftest import first_four_args
 
 import dsv41c
 from dsv41c import golden
@@ -80,9 +79,7 @@ def test_a_bf16_model_compiled_rounds_where_eager_does():
     intermediates in fp32 unless told to round where eager does (`compiler.PRECISION`): without it
     the compiled prefill of tiny's first four layers in bf16 was 0.029 from the fp32 twin and 0.034
     from eager bf16. With it: eager's own distance from fp32, and eager's logits."""
-    raw = json.loads(TINY.read_text())
-    raw.update(FIRST_FOUR)
-    args = dsv41c.ModelArgs.from_dict(raw)
+    args = first_four_args()
     ids = torch.randint(0, args.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
     bf16 = dsv41c.build_model(args, seed=0, dtype=torch.bfloat16)
     fp32 = dsv41c.build_model(args, seed=0, dtype=torch.float32)(ids, 0).float()

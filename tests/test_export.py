@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import safetensors.torch
-from conftest import FIRST_FOUR, THREE_KINDS
+from conftest import THREE_KINDS, first_four_args
 import torch
 from typer.testing import CliRunner
 
@@ -137,19 +137,6 @@ def test_the_export_check_refuses_an_artifact_that_computes_another_model(export
     with pytest.raises(ArtifactError, match=r"prefill and decode logits differ from the eager model's \(prefill "
                                             r"\S+, decode \S+; relative max-abs, bound 0.0001"):
         check_artifact(artifact, other, bounds, 1e-4)
-
-
-def first_four_args(widths: str = "tiny") -> dsv41c.ModelArgs:
-    """tiny's first four layers (conftest.FIRST_FOUR) at tiny.json's widths, or at bench.json's
-    ("bench": dim 5120, 64 heads of 512, 32 experts, its vocabulary, and its Sinkhorn iterations and
-    an Engram table of its size, on layer 1)."""
-    raw = json.loads((ROOT / "configs" / f"{widths}.json").read_text())
-    own = dict(hc_sinkhorn_iters=raw["hc_sinkhorn_iters"], engram_layer_ids=[1],
-               engram_num_embeddings=raw["engram_num_embeddings"][:1])
-    raw.update(FIRST_FOUR)
-    if widths == "bench":
-        raw.update(own)
-    return dsv41c.ModelArgs.from_dict(raw)
 
 
 def test_one_prefill_and_one_decode_program_cover_both_parities_of_a_ratio_2_model():
