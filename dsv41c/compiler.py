@@ -46,6 +46,15 @@ aten = torch.ops.aten
 #   Off, the configs are picked on the first real call's inputs (the Python wrapper's way).
 INDUCTOR_WORKAROUNDS = {"triton.coalesce_tiling_analysis": False, "triton.autotune_at_compile_time": False}
 
+# Inductor settings for the C++ wrapper only (AOTInductor's packages, and `cpp_wrapper=True`):
+# - triton.persistent_reductions: an AOTInductor package of tiny's first four layers at bench.json's
+#   widths (bf16, an H200) computed logits 0.336 from eager, where the same exported program under
+#   torch.compile's Python wrapper was 0.006; the first kernel whose output differs between the
+#   package's C++ run and AOTInductor's own Python first pass is a persistent reduction (attention's
+#   softmax). Off, the package is 0.0067 (BENCHMARKS.md, cold start). Applied to `cpp_wrapper=True`
+#   as well, since it launches the kernels the same way; not measured there. Triton only.
+CPP_WRAPPER_WORKAROUNDS = {"triton.persistent_reductions": False}
+
 
 # Inductor keeps a fused kernel's intermediates in fp32 where eager rounds each op's output to the
 # model's dtype. For a bf16 model that is not "more accurate": values rounded in one kernel and not
@@ -234,7 +243,7 @@ class CompiledModel:
         if self.observe:                      # a cache hit would skip the passes being watched
             options["fx_graph_cache"] = False
         if self.cpp_wrapper:
-            options["cpp_wrapper"] = True
+            options.update(cpp_wrapper=True, **CPP_WRAPPER_WORKAROUNDS)
         return options
 
     def __call__(self, input_ids: torch.Tensor, start_pos: int = 0, full_logits: bool = False,

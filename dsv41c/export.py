@@ -64,7 +64,7 @@ import torch
 from torch import nn
 
 from dsv41c.cache import ModelCache
-from dsv41c.compiler import DEFAULT_PASSES, inductor_options
+from dsv41c.compiler import CPP_WRAPPER_WORKAROUNDS, DEFAULT_PASSES, inductor_options
 from dsv41c.config import ModelArgs, build_layer_plan
 from dsv41c.errors import ArtifactError, InputError
 from dsv41c.golden import QUANT_RUNNER_BOUND, RUNNER_BOUND, file_sha256, relative_error
@@ -308,7 +308,7 @@ def pipeline_installed(model: Transformer, names: Sequence[str], strict: bool):
     pipeline.bind(model)
     options = inductor_options(pipeline)
     hook = options.pop("post_grad_custom_post_pass")
-    options["fx_graph_cache"] = False
+    options.update(fx_graph_cache=False, **CPP_WRAPPER_WORKAROUNDS)
     with torch.no_grad(), torch._inductor.config.patch(post_grad_custom_post_pass=hook):
         yield pipeline, options
 
