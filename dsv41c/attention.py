@@ -64,19 +64,24 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
         p = torch.exp(logits - m.unsqueeze(-1))
         den = p.sum(dim=-1) + torch.exp(sink - m)
         return (torch.einsum("bshk,bskd->bshd", p, rows.float()) / den.unsqueeze(-1)).to(q.dtype)
-    m = torch.full((b, s, h), -1e30, dtype=torch.float32, device=q.device)
-    den = torch.zeros_like(m)
-    acc = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device)
-    for j in range(0, k, SPARSE_ATTN_BLOCK):
-        blk = logits[..., j:j + SPARSE_ATTN_BLOCK]
-        m_new = torch.maximum(m, blk.amax(dim=-1))
-        alpha = torch.exp(m - m_new)
-        p = torch.exp(blk - m_new.unsqueeze(-1))
-        den = den * alpha + p.sum(dim=-1)
-        pv = torch.einsum("bshk,bskd->bshd", p.to(q.dtype).float(), rows[:, :, j:j + SPARSE_ATTN_BLOCK].float())
-        acc = acc * alpha.unsqueeze(-1) + pv
-        m = m_new
-    return (acc / (den + torch.exp(sink - m)).unsqueeze(-1)).to(q.dtype)
+    # The blocks are not a Python loop: their number follows the list width, min(S, W) + ..., which
+    # is symbolic in a traced program, and a loop unrolled at one width is wrong at another (padding,
+    # slicing or broadcasting against the block count n would make the trace guard on it instead).
+    # Running maxima [B,S,H,1+n]: column 0 is the kernel's seed (-1e30), column 1+j the max after
+    # block j. Each entry's probability is taken against its block's running max and rounded to
+    # bf16 for the value product; the later blocks' rescalings of a block's sums, exp(m_j - m_j+1)
+    # ... exp(m_-2 - m_-1), are applied at once as exp(m_j - m_-1).
+    n = (k + SPARSE_ATTN_BLOCK - 1) // SPARSE_ATTN_BLOCK
+    block = 1 + torch.arange(k, device=q.device) // SPARSE_ATTN_BLOCK                  # its column
+    m = logits.new_full((b, s, h, n + 1), -1e30).scatter_reduce(-1, block.expand(b, s, h, k), logits, "amax")
+    m = torch.cummax(m, dim=-1).values
+    last = m.amax(dim=-1)
+    m = m.index_select(-1, block)                                                    # per entry
+    carry = torch.exp(m - last.unsqueeze(-1))
+    p = torch.exp(logits - m)
+    den = (p * carry).sum(dim=-1)
+    acc = torch.einsum("bshk,bskd->bshd", p.to(q.dtype).float() * carry, rows.float())
+    return (acc / (den + torch.exp(sink - last)).unsqueeze(-1)).to(q.dtype)
 
 
 def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

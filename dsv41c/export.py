@@ -187,7 +187,75 @@ def _dim_range(ep, placeholder: str, dim: int, period: int, residue: int) -> tup
     else:
         vr = ep.range_constraints[size.node.expr]
         lo, hi = int(vr.lower), int(vr.upper)
+        _check_guards(ep, placeholder, dim, range(lo, hi + 1), period, residue)
     return lo * period + residue, hi * period + residue
+
+
+def _check_guards(ep, placeholder: str, dim: int, sizes: range, period: int, residue: int) -> None:
+    """Every size in `sizes` of `placeholder`'s dim passes the guards torch.export kept.
+
+    torch.export states what it learnt about a dynamic size as a range where it can, and keeps the
+    rest as guard expressions (`ExportedProgram._guards_code`, e.g. `min(128, s) == 128` from a
+    Python loop over a length-dependent count) that only `ep.module()` checks when it runs. An
+    AOTInductor package checks none of them: at a length that fails one it runs code traced for
+    other lengths, silently. So each size of the range is tried here, on shapes alone: the guard
+    expressions evaluated on the inputs' sizes (a few microseconds a size), or where one cannot be
+    read that way, the guard function `ep.module()` builds, on meta tensors (slower).
+    """
+    from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
+    from torch.utils import _pytree as pytree
+
+    codes = list(getattr(ep, "_guards_code", None) or [])
+    if not codes:
+        return
+    leaves = pytree.tree_leaves(ep.example_inputs)
+    at = ep.graph_signature.user_inputs.index(placeholder)
+    shape = list(leaves[at].shape)
+
+    class Sizes:                                        # an input as the guard expressions read it
+        def __init__(self, shape):
+            self.shape = tuple(shape)
+
+        def size(self):
+            return self.shape
+
+    flat = [Sizes(t.shape) if isinstance(t, torch.Tensor) else t for t in leaves]
+    scope = {**SYMPY_INTERP, "L": {"flat_args": flat}}
+    compiled = [(code, compile(code, "<guard>", "eval")) for code in codes]
+    guard_fn, meta = None, None
+
+    def first_failure(k: int) -> str | None:
+        nonlocal guard_fn, meta
+        shape[dim] = k
+        flat[at] = Sizes(shape)
+        try:
+            return next((f"Guard failed: {code}" for code, c in compiled if not eval(c, scope)), None)
+        except Exception:                               # a form this reading does not know: torch's own
+            if guard_fn is None:
+                guard_fn = ep.module(check_guards=True)._guards_fn
+                meta = [t.to("meta") if isinstance(t, torch.Tensor) else t for t in leaves]
+            meta[at] = torch.empty(shape, dtype=leaves[at].dtype, device="meta")
+            try:
+                guard_fn(*meta)
+            except AssertionError as e:
+                return str(e).splitlines()[0]
+            return None
+
+    failed: dict[str, list[int]] = {}
+    for k in sizes:
+        if (why := first_failure(k)) is not None:
+            why = why.replace(f"L['flat_args'][{at}].size()[{dim}]", f"{placeholder}.size({dim})")
+            failed.setdefault(why, []).append(k * period + residue)
+    if failed:
+        what = "prompt lengths" if placeholder == "body" else "positions"
+        lo, hi = sizes[0] * period + residue, sizes[-1] * period + residue
+        raise ArtifactError(
+            f"export: the traced program's shape guards fail inside its own range of {what} {lo}..{hi} "
+            "(AOTInductor would not check them, and run code traced for other lengths there): "
+            + "; ".join(f"{g!r} at {len(ts)} of them ({', '.join(map(str, ts[:4]))}{', ...' if len(ts) > 4 else ''})"
+                        for g, ts in failed.items())
+            + ". The model takes a length-dependent branch torch.export could not state as a range; "
+            "nothing was written.")
 
 
 def _export_program(model: Transformer, spec: ProgramSpec, caches: list[torch.Tensor], max_prompt_len: int):

@@ -594,6 +594,37 @@ def test_sparse_attn_bf16_blocks_of_64(pos_a, pos_c, same_block):
     assert out[0, 0, 0].equal(_kernel_emulation(q, kv, sink, idx, 1.0)[0, 0, 0])
 
 
+def test_sparse_attn_bf16_traced_at_one_width_runs_at_another():
+    """A prefill's list has min(S, W) window entries, so its number of 64-entry blocks follows the
+    prompt length. The program is traced once with a symbolic length (torch.export, as the export
+    does, at a length of two blocks) and must give eager's output at lengths of one, two and three
+    blocks: a loop over the blocks unrolled at the traced width (no guard kept it) was wrong
+    below it (seen as a bf16 AOTInductor package wrong at 24 tokens, right at its 4096)."""
+    from torch.export import Dim
+
+    W, H, d, n_c = 128, 2, 16, 70
+
+    class Prefill(torch.nn.Module):
+        def forward(self, q, kv, comp_idx, sink):
+            s = q.shape[1]
+            win = prefill_window_index(s, W, q.device).unsqueeze(0)
+            return sparse_attn(q, kv, sink, torch.cat([win, comp_idx + 512], dim=-1), d ** -0.5)
+
+    def inputs(s, seed):
+        g = torch.Generator().manual_seed(seed)
+        q = torch.randn(1, s, H, d, generator=g).bfloat16()
+        kv = torch.randn(1, 512 + n_c, d, generator=g).bfloat16()       # the chunk's rows, then compressed
+        comp = torch.randint(-1, n_c, (1, s, n_c), generator=g).int()
+        return q, kv, comp, torch.randn(H, generator=g)
+
+    S = Dim("S", min=1, max=512)
+    ep = torch.export.export(Prefill(), inputs(200, 0), strict=True,
+                             dynamic_shapes=({1: S}, None, {1: S}, None))
+    for s in (1, 24, 100, 128, 300, 512):
+        args = inputs(s, s)
+        assert torch.equal(ep.module()(*args), Prefill()(*args)), s
+
+
 # ------------------------------------------------------------------ whole layers vs naive (fp32)
 def _naive_layer(attn, x, ratio, freqs, W, eps, ref):
     """All positions 0..T-1 of one attention layer, causal, every visible compressed entry used

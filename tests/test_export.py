@@ -176,6 +176,50 @@ def test_one_prefill_and_one_decode_program_cover_both_parities_of_a_ratio_2_mod
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
 
+def test_a_bf16_prefill_traced_at_two_attention_blocks_equals_eager_at_one_and_three():
+    """bf16 sparse attention runs in blocks of 64 list entries, and a prefill's list holds min(S, W)
+    window entries, so with bench.json's window of 128 the number of blocks follows the prompt
+    length. The prefill is traced at the export's example length (half the bound: two blocks) and
+    must equal eager at lengths of one, two and three blocks. (A loop over the blocks, unrolled at
+    the traced count behind a guard torch.export kept but no package checks, made an H200 package
+    of bench.json's widths wrong at 24 tokens and right at 4096.)"""
+    import dataclasses
+
+    from dsv41c.export import _export_program, cache_names, prefill_inputs, program_specs
+    args = dataclasses.replace(first_four_args(), window_size=128, max_seq_len=256)
+    model = dsv41c.build_model(args, seed=0, dtype=torch.bfloat16, kv_quant=False)
+    names = set(cache_names(model))
+    caches = [b for n, b in model.named_buffers() if n in names]
+    with torch.no_grad():
+        ep, bounds = _export_program(model, program_specs()[0], caches, 256)   # the guards hold: no error
+        assert bounds[1] == 256
+        for n in (24, 64, 65, 200):
+            ids = torch.randint(0, 250, (1, n), generator=torch.Generator().manual_seed(n))
+            model.reset_cache()
+            want = model(ids, 0)
+            model.reset_cache()
+            assert torch.equal(ep.module()(*prefill_inputs(ids, 1), caches), want), n
+
+
+def test_a_shape_guard_the_range_does_not_state_fails_the_export():
+    """torch.export keeps `min(128, s) == 128` (a loop over a length-dependent count) as a guard
+    beside the range 2..512 it reports; an AOTInductor package would not check it, so the export
+    refuses the program, naming the guard and the lengths it fails at."""
+    from torch.export import Dim
+
+    from dsv41c.export import _dim_range
+
+    class Loop(torch.nn.Module):
+        def forward(self, body):
+            idx = torch.arange(min(body.shape[1], 128))
+            return body.sum() + sum(idx[j:j + 64].sum() for j in range(0, idx.shape[0], 64))
+
+    ep = torch.export.export(Loop(), (torch.zeros(1, 200, 1, dtype=torch.long),),
+                             dynamic_shapes=({1: Dim.AUTO(min=1, max=512)},), strict=True)
+    with pytest.raises(ArtifactError, match=r"min\(128, body.size\(1\)\) == 128.* at 126 of them \(2, 3, 4, 5, \.\.\.\)"):
+        _dim_range(ep, "body", 1, 1, 0)
+
+
 # ------------------------------------------------------------------------------ loading
 def test_a_fresh_process_generates_the_eager_greedy_tokens(exported):
     model, artifact = exported
