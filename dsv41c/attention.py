@@ -65,18 +65,15 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
         den = p.sum(dim=-1) + torch.exp(sink - m)
         return (torch.einsum("bshk,bskd->bshd", p, rows.float()) / den.unsqueeze(-1)).to(q.dtype)
     # The blocks are not a Python loop: their number follows the list width, min(S, W) + ..., which
-    # is symbolic in a traced program, and a loop unrolled at one width is wrong at another (padding,
-    # slicing or broadcasting against the block count n would make the trace guard on it instead).
-    # Running maxima [B,S,H,1+n]: column 0 is the kernel's seed (-1e30), column 1+j the max after
-    # block j. Each entry's probability is taken against its block's running max and rounded to
-    # bf16 for the value product; the later blocks' rescalings of a block's sums, exp(m_j - m_j+1)
-    # ... exp(m_-2 - m_-1), are applied at once as exp(m_j - m_-1).
-    n = (k + SPARSE_ATTN_BLOCK - 1) // SPARSE_ATTN_BLOCK
-    block = 1 + torch.arange(k, device=q.device) // SPARSE_ATTN_BLOCK                  # its column
-    m = logits.new_full((b, s, h, n + 1), -1e30).scatter_reduce(-1, block.expand(b, s, h, k), logits, "amax")
-    m = torch.cummax(m, dim=-1).values
-    last = m.amax(dim=-1)
-    m = m.index_select(-1, block)                                                    # per entry
+    # is symbolic in a traced program, and a loop unrolled at one width is wrong at another (padding
+    # to whole blocks, or a tensor over the blocks, would make the trace guard on the width instead).
+    # The running max after an entry's block is the running max over the entries up to the block's
+    # last one, seeded at -1e30 as the kernel's. Each entry's probability is taken against it and
+    # rounded to bf16 for the value product; the later blocks' rescalings of a block's sums,
+    # exp(m_j - m_j+1) ... exp(m_-2 - m_-1), are applied at once as exp(m_j - m_-1).
+    block_end = (torch.arange(k, device=q.device) // SPARSE_ATTN_BLOCK + 1) * SPARSE_ATTN_BLOCK - 1
+    m = torch.cummax(logits, dim=-1).values.index_select(-1, block_end.clamp(max=k - 1)).clamp(min=-1e30)
+    last = logits.amax(dim=-1).clamp(min=-1e30)
     carry = torch.exp(m - last.unsqueeze(-1))
     p = torch.exp(logits - m)
     den = (p * carry).sum(dim=-1)
