@@ -224,22 +224,34 @@ def _check_guards(ep, placeholder: str, dim: int, sizes: range, period: int, res
     compiled = [(code, compile(code, "<guard>", "eval")) for code in codes]
     guard_fn, meta = None, None
 
-    def first_failure(k: int) -> str | None:
+    def torch_guards() -> str | None:
         nonlocal guard_fn, meta
+        if guard_fn is None:
+            guard_fn = ep.module(check_guards=True)._guards_fn
+            meta = [t.to("meta") if isinstance(t, torch.Tensor) else t for t in leaves]
+        meta[at] = torch.empty(shape, dtype=leaves[at].dtype, device="meta")
+        try:
+            guard_fn(*meta)
+        except (AssertionError, ZeroDivisionError) as e:
+            return str(e).splitlines()[0]
+        except Exception as e:
+            raise ArtifactError(f"export: cannot evaluate the shape guards torch.export kept ({type(e).__name__}: "
+                                f"{e}), so the program's range is not vouched for; nothing was written") from e
+        return None
+
+    def first_failure(k: int) -> str | None:
         shape[dim] = k
         flat[at] = Sizes(shape)
-        try:
-            return next((f"Guard failed: {code}" for code, c in compiled if not eval(c, scope)), None)
-        except Exception:                               # a form this reading does not know: torch's own
-            if guard_fn is None:
-                guard_fn = ep.module(check_guards=True)._guards_fn
-                meta = [t.to("meta") if isinstance(t, torch.Tensor) else t for t in leaves]
-            meta[at] = torch.empty(shape, dtype=leaves[at].dtype, device="meta")
+        for code, c in compiled:
             try:
-                guard_fn(*meta)
-            except AssertionError as e:
-                return str(e).splitlines()[0]
-            return None
+                holds = eval(c, scope)
+            except ZeroDivisionError:                   # not evaluable at this size: not vouched for
+                holds = False
+            except Exception:                           # a form this reading does not know
+                return torch_guards()
+            if not holds:
+                return f"Guard failed: {code}"
+        return None
 
     failed: dict[str, list[int]] = {}
     for k in sizes:

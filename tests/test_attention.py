@@ -598,8 +598,9 @@ def test_sparse_attn_bf16_traced_at_one_width_runs_at_another():
     """A prefill's list has min(S, W) window entries, so its number of 64-entry blocks follows the
     prompt length. The program is traced once with a symbolic length (torch.export, as the export
     does, at a length of two blocks) and must give eager's output at lengths of one, two and three
-    blocks: a loop over the blocks unrolled at the traced width (no guard kept it) was wrong
-    below it (seen as a bf16 AOTInductor package wrong at 24 tokens, right at its 4096)."""
+    blocks, with no guard on the width (a loop over the blocks needs one: this export refuses it, and
+    with `Dim.AUTO` it is kept but an AOTInductor package does not check it; seen as a bf16 package
+    wrong at 24 tokens, right at its 4096)."""
     from torch.export import Dim
 
     W, H, d, n_c = 128, 2, 16, 70
