@@ -526,9 +526,10 @@ def check_packages_load(root: Path, files: list[str], custom_ops: list[str], dev
 
 
 CHECK_PROMPT_LEN = 24          # the check's prompt, if the bounds allow (else the nearest length they do)
+CHECK_LONG_PROMPT_MAX = 4096   # the check's second prompt: the prefill's example length (half the bound), at most this
 
-# The user's side of `check_artifact`: argv = artifact, a torch.save file with the prompt ("ids") and
-# the decode step's token ("next", optional), replaced by the logits.
+# The user's side of `check_artifact`: argv = artifact, a torch.save file with the prompt ("ids"), the
+# decode step's token ("next", optional) and the second prompt ("example", optional), replaced by the logits.
 _RUN_CHECK = """
 import sys
 import torch
@@ -540,6 +541,9 @@ ids = given["ids"].to(artifact.device)
 out = {"prefill": artifact(ids, 0).float().cpu()}
 if "next" in given:
     out["decode"] = artifact(given["next"].to(artifact.device), ids.shape[1]).float().cpu()
+if "example" in given:
+    artifact.reset_cache()
+    out["prefill_example"] = artifact(given["example"].to(artifact.device), 0).float().cpu()
 torch.save(out, io)
 """
 
@@ -564,11 +568,17 @@ def check_bound(model: Transformer, passes: Sequence[str]) -> float:
 
 def check_artifact(root: Path, model: Transformer, bounds: dict, bound: float) -> dict[str, Any]:
     """Load the finished artifact in a fresh process, as a user does (hashes, versions, weights,
-    packages), run a seeded prompt and one decode step, and compare the logits with the eager
-    model's (relative max-abs, `bound`). Returns what was measured, for the manifest; raises
-    ArtifactError past the bound, so a package that computes something else is never shipped."""
+    packages), run a seeded prompt and one decode step, then a second prompt at the length the
+    prefill was traced and tuned at (the export's example: half the bound; at most
+    `CHECK_LONG_PROMPT_MAX`, as eager must run it too), and compare the logits
+    with the eager model's (relative max-abs, `bound`). Two lengths far apart: a package can be
+    right at one and wrong at the other (an H200 package of bench.json's widths was 0.011 from
+    eager at its example's 4096 tokens and 0.67 at 24). Returns what was measured, for the
+    manifest; raises ArtifactError past the bound, so a package that computes something else is
+    never shipped."""
     lo, hi = bounds["prompt_len"]
     n = min(max(lo, CHECK_PROMPT_LEN), hi)
+    n_example = min(max(lo, 2, min(hi // 2, CHECK_LONG_PROMPT_MAX)), hi)
     ids = torch.randint(0, model.args.vocab_size, (BATCH, n), generator=torch.Generator().manual_seed(0))
     model.reset_cache()
     with torch.no_grad():
@@ -578,6 +588,11 @@ def check_artifact(root: Path, model: Transformer, bounds: dict, bound: float) -
         if d_lo <= n <= d_hi:
             given["next"] = ref["prefill"].argmax(-1, keepdim=True)
             ref["decode"] = model(given["next"].to(model.device), n).float().cpu()
+        if n_example != n:
+            given["example"] = torch.randint(0, model.args.vocab_size, (BATCH, n_example),
+                                             generator=torch.Generator().manual_seed(1))
+            model.reset_cache()
+            ref["prefill_example"] = model(given["example"].to(model.device), 0).float().cpu()
     model.reset_cache()
     with tempfile.TemporaryDirectory() as scratch:
         io = Path(scratch) / "check.pt"
@@ -596,9 +611,10 @@ def check_artifact(root: Path, model: Transformer, bounds: dict, bound: float) -
     if bad:
         each = ", ".join(f"{k} {err:.3g}" for k, err in errors.items())
         raise ArtifactError(f"export: the artifact's {' and '.join(bad)} logits differ from the eager model's "
-                            f"({each}; relative max-abs, bound {bound:g}, prompt of {n} seeded tokens); nothing "
-                            f"was written. torch {torch.__version__}, {target_of(model.device)}")
-    return {"prompt_len": n, "bound": bound, "relative_error": errors}
+                            f"({each}; relative max-abs, bound {bound:g}, prompts of "
+                            f"{n if n == n_example else f'{n} and {n_example}'} seeded tokens); nothing was "
+                            f"written. torch {torch.__version__}, {target_of(model.device)}")
+    return {"prompt_len": n, "example_prompt_len": n_example, "bound": bound, "relative_error": errors}
 
 
 def aoti_has_shim(op: str, device_type: str) -> bool:

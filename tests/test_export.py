@@ -122,8 +122,9 @@ def test_manifest_records_the_pipeline_its_matches_versions_bounds_and_hashes(ex
     assert m["tokenizer"]["bos_id"] == model.tokenizer.bos_id
     assert verify(artifact) == m
     check = m["check"]                          # the export's own run of the artifact against eager
-    assert check["bound"] == 1e-4 and set(check["relative_error"]) == {"prefill", "decode"}, check
+    assert check["bound"] == 1e-4 and set(check["relative_error"]) == {"prefill", "decode", "prefill_example"}, check
     assert m["bounds"]["prompt_len"][0] <= check["prompt_len"] <= m["bounds"]["prompt_len"][1]
+    assert check["example_prompt_len"] == MAX_PROMPT // 2 != check["prompt_len"]    # the prefill's traced length
 
 
 def test_the_export_check_refuses_an_artifact_that_computes_another_model(exported):
@@ -134,8 +135,9 @@ def test_the_export_check_refuses_an_artifact_that_computes_another_model(export
     errors = check_artifact(artifact, model, bounds, 1e-4)["relative_error"]
     assert max(errors.values()) <= 1e-4, errors
     other = dsv41c.build_model(cut_args(), seed=1)
-    with pytest.raises(ArtifactError, match=r"prefill and decode logits differ from the eager model's \(prefill "
-                                            r"\S+, decode \S+; relative max-abs, bound 0.0001"):
+    with pytest.raises(ArtifactError, match=r"prefill and decode and prefill_example logits differ from the eager "
+                                            r"model's \(prefill \S+, decode \S+, prefill_example \S+; relative "
+                                            r"max-abs, bound 0.0001, prompts of 24 and 16 seeded tokens"):
         check_artifact(artifact, other, bounds, 1e-4)
 
 
