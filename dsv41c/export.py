@@ -270,19 +270,25 @@ def _check_guards(ep, placeholder: str, dim: int, sizes: range, period: int, res
             "nothing was written.")
 
 
+def example_count(k_max: int) -> int:
+    """The dynamic size a program is traced at, and that AOTInductor tunes its kernels for: half its
+    largest (at least 2, so that torch.export does not specialise it)."""
+    return max(2, k_max // 2)
+
+
 def _export_program(model: Transformer, spec: ProgramSpec, caches: list[torch.Tensor], max_prompt_len: int):
     from torch.export import Dim
     args, p, r, dev = model.args, spec.period, spec.residue, model.device
     if spec.phase == "prefill":
         k_max = (max_prompt_len - r) // p
-        k_ex = max(2, k_max // 2)
+        k_ex = example_count(k_max)
         example = (torch.zeros(BATCH, k_ex, p, dtype=torch.long, device=dev),
                    torch.zeros(BATCH, r, dtype=torch.long, device=dev), caches)
         shapes = {"body": {1: Dim.AUTO(min=1, max=k_max)}, "tail": None, "caches": [None] * len(caches)}
         ep = torch.export.export(PrefillStep(model, p, r), example, dynamic_shapes=shapes, strict=True)
         return ep, _dim_range(ep, "body", 1, p, r)
     k_max = (args.max_seq_len - 1 - r) // p
-    k_ex = max(2, k_max // 2)
+    k_ex = example_count(k_max)
     example = (torch.zeros(BATCH, 1, dtype=torch.long, device=dev), torch.empty(k_ex, 0, device=dev), caches)
     shapes = {"ids": None, "marker": {0: Dim.AUTO(min=1, max=k_max)}, "caches": [None] * len(caches)}
     ep = torch.export.export(DecodeStep(model, p, r), example, dynamic_shapes=shapes, strict=True)
@@ -526,7 +532,7 @@ def check_packages_load(root: Path, files: list[str], custom_ops: list[str], dev
 
 
 CHECK_PROMPT_LEN = 24          # the check's prompt, if the bounds allow (else the nearest length they do)
-CHECK_LONG_PROMPT_MAX = 4096   # the check's second prompt: the prefill's example length (half the bound), at most this
+CHECK_LONG_PROMPT_MAX = 4096   # the check's second prompt: the prefill's traced length (`example_count`), at most this
 
 # The user's side of `check_artifact`: argv = artifact, a torch.save file with the prompt ("ids"), the
 # decode step's token ("next", optional) and the second prompt ("example", optional), replaced by the logits.
@@ -578,7 +584,7 @@ def check_artifact(root: Path, model: Transformer, bounds: dict, bound: float) -
     never shipped."""
     lo, hi = bounds["prompt_len"]
     n = min(max(lo, CHECK_PROMPT_LEN), hi)
-    n_example = min(max(lo, 2, min(hi // 2, CHECK_LONG_PROMPT_MAX)), hi)
+    n_example = min(max(lo, min(example_count(hi), CHECK_LONG_PROMPT_MAX)), hi)   # the programs have period 1
     ids = torch.randint(0, model.args.vocab_size, (BATCH, n), generator=torch.Generator().manual_seed(0))
     model.reset_cache()
     with torch.no_grad():
