@@ -225,6 +225,38 @@ def test_a_shape_guard_the_range_does_not_state_fails_the_export():
         _dim_range(ep, "body", 1, 1, 0)
 
 
+@pytest.mark.parametrize("reading", ["fast", "torch"])
+def test_the_guard_check_vouches_for_a_range_where_the_kept_guards_hold(monkeypatch, reading):
+    """The same loop exported with lengths from 128 up: torch.export still keeps `min(128, s) ==
+    128`, which now holds at every length of the range, so the range stands. Both readings of the
+    guards agree: the fast one (the guard strings evaluated on sizes) and the fallback for a form
+    it cannot read (the guard function `ep.module()` builds, run on meta tensors), which is forced
+    here by making every fast evaluation fail."""
+    import sys
+
+    from torch.export import Dim
+
+    from dsv41c.export import _dim_range
+
+    class Loop(torch.nn.Module):
+        def forward(self, body):
+            idx = torch.arange(min(body.shape[1], 128))
+            return body.sum() + sum(idx[j:j + 64].sum() for j in range(0, idx.shape[0], 64))
+
+    def unreadable(*args):
+        raise NameError("a guard form the fast reading does not know")
+
+    if reading == "torch":      # a module global shadows the builtin the fast reading calls
+        monkeypatch.setattr(sys.modules["dsv41c.export"], "eval", unreadable, raising=False)
+    example = (torch.zeros(1, 200, 1, dtype=torch.long),)
+    held = torch.export.export(Loop(), example, dynamic_shapes=({1: Dim.AUTO(min=128, max=512)},), strict=True)
+    assert any("min(128" in g for g in held._guards_code)        # kept, and true on 128..512
+    assert _dim_range(held, "body", 1, 1, 0) == (128, 512)
+    fails = torch.export.export(Loop(), example, dynamic_shapes=({1: Dim.AUTO(min=2, max=512)},), strict=True)
+    with pytest.raises(ArtifactError, match=r"min\(128, body\.size\((1\)|\)\[1\])\) == 128.* at 126 of them"):
+        _dim_range(fails, "body", 1, 1, 0)
+
+
 # ------------------------------------------------------------------------------ loading
 def test_a_fresh_process_generates_the_eager_greedy_tokens(exported):
     model, artifact = exported
