@@ -24,7 +24,10 @@ on two GPUs of one host at once; without the artifact path nothing is exported. 
 with the same --kv-quant), so the artifact and the compile run the same program.
 
 Each row records its first token and the gap between its two largest logits ("margin"), so that
-tokens which differ can be told apart from a near tie; the artifact's row also records where its
+tokens which differ can be told apart from a near tie, and each path's first-token logits are
+compared with eager's (relative max-abs); a bf16 run also runs the same weights eagerly in fp32 (a
+reference path, not timed) and compares every path with it, which tells rounding from a program
+that computes something else; the artifact's row also records where its
 load went (`Artifact.load_seconds`: the hashes, the weights, each package). A path that is not what
 it says (the compile path compiled no graph, the artifact or eager path compiled one) stops the run.
 """
@@ -41,6 +44,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from dsv41c.compiler import DEFAULT_PASSES
 
 PATHS = ("artifact", "compile", "eager")
@@ -50,7 +55,7 @@ import time, sys, json
 t0 = time.perf_counter()
 import torch
 import dsv41c
-mode, config, artifact, n, device, dtype, passes, kv_quant, checkpoint = sys.argv[1:10]
+mode, config, artifact, n, device, dtype, passes, kv_quant, checkpoint, logits_file = sys.argv[1:11]
 n, passes, kv_quant = int(n), tuple(p for p in passes.split(",") if p), kv_quant == "1"
 if device == "cpu":
     torch.set_num_threads(1)
@@ -70,6 +75,7 @@ logits = model(ids, 0).float()
 token = int(logits.argmax(-1))               # reads the token back: the device has finished
 t_first = time.perf_counter()
 top2 = logits.flatten().topk(2).values.tolist()
+torch.save(logits.cpu(), logits_file)
 print(json.dumps({"import": t_import - t0, "ready": t_ready - t_import, "first": t_first - t_ready,
                   "total": t_first - t0, "token": token, "margin": top2[0] - top2[1],
                   "load": getattr(model, "load_seconds", None),
@@ -85,9 +91,28 @@ dsv41c.save_checkpoint(dsv41c.build_model(dsv41c.ModelArgs.from_json(config), se
 """
 
 
-def child(mode: str, opts: argparse.Namespace, artifact: str, checkpoint: str, env: dict, cwd: str) -> dict:
+REFERENCE = "eager, float32 (reference)"
+
+
+def logits_file(tmp: str, name: str) -> Path:
+    return Path(tmp) / ("logits-" + "".join(c if c.isalnum() else "-" for c in name) + ".pt")
+
+
+def logit_errors(tmp: str, names: list[str]) -> dict[str, dict[str, float]]:
+    """name -> {"eager" / the fp32 reference: relative max-abs error of its first-token logits}, for
+    the paths whose logits are on disk (rows of an earlier run of the benchmark may have none)."""
+    from dsv41c.golden import relative_error
+    found = {n: torch.load(logits_file(tmp, n)) for n in names if logits_file(tmp, n).exists()}
+    refs = [r for r in ("eager", REFERENCE) if r in found]
+    return {n: {r: relative_error(found[n], found[r]) for r in refs if r != n} for n in found if n != REFERENCE}
+
+
+def child(mode: str, opts: argparse.Namespace, artifact: str, checkpoint: str, env: dict, cwd: str,
+          logits_file: Path, dtype: str | None = None) -> dict:
+    """One path in a fresh process: its timings and first token, its logits saved to `logits_file`."""
     proc = subprocess.run([sys.executable, "-c", CHILD, mode, opts.config, artifact, str(opts.prompt_len),
-                           opts.device, opts.dtype, ",".join(opts.passes), str(int(opts.kv_quant)), checkpoint],
+                           opts.device, dtype or opts.dtype, ",".join(opts.passes), str(int(opts.kv_quant)),
+                           checkpoint, str(logits_file)],
                           capture_output=True, text=True, env=env, cwd=cwd)
     if proc.returncode:
         sys.exit(f"{mode} run failed:\n{proc.stderr[-3000:]}")
@@ -176,11 +201,19 @@ def main() -> None:
                 if name.endswith("empty cache") and name not in done:  # (a killed run may have left some)
                     shutil.rmtree(cache_env["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
                 earlier = name in done
-                rows[name] = done[name] if earlier else child(mode, opts, artifact or "", checkpoint, child_env, tmp)
+                rows[name] = done[name] if earlier else child(mode, opts, artifact or "", checkpoint, child_env, tmp,
+                                                              logits_file(tmp, name))
                 done[name] = rows[name]
                 if rows_file:  # each row as it finishes: a rerun after a kill goes on from here
                     rows_file.write_text(json.dumps(done, indent=1))
                 print(f"{name}: {rows[name]}{' (an earlier run)' if earlier else ''}", flush=True)
+        # The accuracy of each path's first-token logits: against eager in the same dtype, and for a
+        # bf16 run against the same weights run eagerly in fp32 (not timed, not in the table).
+        if opts.dtype != "float32" and "eager" in paths and REFERENCE not in done:
+            done[REFERENCE] = child("eager", opts, "", checkpoint, env, tmp, logits_file(tmp, REFERENCE), "float32")
+            if rows_file:
+                rows_file.write_text(json.dumps(done, indent=1))
+        errors = logit_errors(tmp, list(rows) + ([REFERENCE] if REFERENCE in done else []))
     tokens = {r["token"] for r in rows.values()}
     base = rows["artifact (load)"]["total"] if "artifact (load)" in rows else None
     threads = ", 1 thread" if opts.device == "cpu" else ""
@@ -200,6 +233,11 @@ def main() -> None:
             print(f"{name}, its load: " + ", ".join(f"{k} {v:.2f} s" for k, v in r["load"].items()))
     print("first tokens (logit margin): " + ", ".join(f"{name} {r['token']} ({r.get('margin', float('nan')):.3f})"
                                                       for name, r in rows.items()))
+    if REFERENCE in done:
+        print(f"{REFERENCE}: first token {done[REFERENCE]['token']} (margin {done[REFERENCE]['margin']:.3f})")
+    for name, errs in errors.items():
+        print(f"{name}, its first-token logits (relative max-abs): "
+              + ", ".join(f"{e:.4f} from {ref}" for ref, e in errs.items()))
 
 
 if __name__ == "__main__":
