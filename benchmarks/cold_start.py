@@ -108,11 +108,11 @@ def logit_errors(tmp: str, names: list[str]) -> dict[str, dict[str, float]]:
 
 
 def child(mode: str, opts: argparse.Namespace, artifact: str, checkpoint: str, env: dict, cwd: str,
-          logits_file: Path, dtype: str | None = None) -> dict:
-    """One path in a fresh process: its timings and first token, its logits saved to `logits_file`."""
+          logits_out: Path, dtype: str | None = None) -> dict:
+    """One path in a fresh process: its timings and first token, its logits saved to `logits_out`."""
     proc = subprocess.run([sys.executable, "-c", CHILD, mode, opts.config, artifact, str(opts.prompt_len),
                            opts.device, dtype or opts.dtype, ",".join(opts.passes), str(int(opts.kv_quant)),
-                           checkpoint, str(logits_file)],
+                           checkpoint, str(logits_out)],
                           capture_output=True, text=True, env=env, cwd=cwd)
     if proc.returncode:
         sys.exit(f"{mode} run failed:\n{proc.stderr[-3000:]}")

@@ -34,6 +34,7 @@ CLASSES = {   # opcode (before the first '.') -> class; anything else is "other"
     "control": {"BRA", "BSSY", "BSYNC", "BAR", "EXIT", "RET", "CALL", "NOP", "YIELD", "DEPBAR", "ELECT",
                 "BPT", "MEMBAR", "FENCE", "ERRBAR", "CCTL"},
 }
+NAMES = (*CLASSES, "other")
 OPCODE = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)")
 
 
@@ -49,8 +50,9 @@ def kernels(families: list[str], arch: str):
         from dsv41c.tilelang_kernels import mhc
         from dsv41c.tilelang_kernels.quant import compile_for
         for kind in mhc.KINDS:
-            for names, fn in mhc.mhc_prim_funcs(kind, "bfloat16", 4, 5120, 1e-6, 1e-6, 20, "cuda"):
-                role = "finalize" if names == mhc._PARAMS["finalize", "main"] else "main"
+            # the main kernel, then (the mixing kinds) the finalize kernel
+            for role, (_, fn) in zip(("main", "finalize"), mhc.mhc_prim_funcs(kind, "bfloat16", 4, 5120, 1e-6, 1e-6,
+                                                                               20, "cuda"), strict=False):
                 yield "mhc", f"{kind} {role} bf16 D=5120", compile_for(fn, target)
     if "attention" in families:
         from dsv41c.tilelang_kernels import attention
@@ -76,7 +78,7 @@ def opcode_counts(kernel) -> collections.Counter:
 
 
 def classify(ops: collections.Counter) -> dict[str, int]:
-    out = {c: 0 for c in (*CLASSES, "other")}
+    out = dict.fromkeys(NAMES, 0)
     for op, n in ops.items():
         out[next((c for c, members in CLASSES.items() if op in members), "other")] += n
     return out
@@ -95,9 +97,8 @@ def main() -> None:
         sys.exit("sass.py: neither nvdisasm nor cuobjdump is on PATH (the CUDA toolkit has both; the PyPI "
                  "wheels nvidia-cuda-nvdisasm and nvidia-cuda-cuobjdump too)")
     rows = []
-    classes = [*CLASSES, "other"]
-    print(f"| family | kernel | total | {' | '.join(classes)} |")
-    print(f"|---|---|---:|{'---:|' * len(classes)}")
+    print(f"| family | kernel | total | {' | '.join(NAMES)} |")
+    print(f"|---|---|---:|{'---:|' * len(NAMES)}")
     for family, name, kernel in kernels(opts.family, opts.arch):
         ops = opcode_counts(kernel)
         if not ops:
@@ -105,7 +106,7 @@ def main() -> None:
         by_class = classify(ops)
         rows.append({"family": family, "kernel": name, "total": sum(ops.values()), "classes": by_class,
                      "opcodes": dict(ops.most_common())})
-        print(f"| {family} | {name} | {sum(ops.values())} | " + " | ".join(str(by_class[c]) for c in classes) + " |",
+        print(f"| {family} | {name} | {sum(ops.values())} | " + " | ".join(str(by_class[c]) for c in NAMES) + " |",
               flush=True)
     if opts.json:
         Path(opts.json).write_text(json.dumps(rows, indent=1))
