@@ -213,20 +213,36 @@ def test_opcheck_cpu():
     opcheck_all("cpu")
 
 
-def test_cuda_build_lowers_for_sm90():
-    """Without a GPU: the sm_90a post_pre build lowers; its CUDA source has the properties the
-    design relies on (wgmma mixes GEMM, 16-byte stream accesses, multi-stage cp.async into shared
-    memory, no FMA contraction in the expand/collapse, warp-shuffle sum of squares)."""
+def _sm90_source(kind, dtype):
     import tilelang
-    (_, main), _ = K.mhc_prim_funcs("post_pre", "bfloat16", 4, 5120, *HC.values(), "cuda")
+    from dsv41c.tilelang_kernels.quant import NO_SYNC_ATTR
+    (_, main), *_ = K.mhc_prim_funcs(kind, dtype, 4, 5120, *HC.values(), "cuda")
     tgt = {"kind": "cuda", "arch": "sm_90a"}
-    with tilelang.tvm.target.Target(tgt):
-        src = tilelang.lower(main, target=tgt).kernel_source
-    assert "wgmma" in src and "__shfl_xor_sync" in src
-    assert "*(uint4*)(xl" in src and "*(uint4*)(HN" in src and "*(uint4*)(X" in src
-    assert "cp_async_gs_conditional<16>" in src and f"cp_async_wait<{K._STAGES - 1}>" in src
-    assert "__fmul_rn" in src and "__fadd_rn" in src
-    assert "fma" not in src  # no explicit fused multiply-add either
+    configs = {tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True} if NO_SYNC_ATTR in main.attrs else {}
+    with tilelang.tvm.transform.PassContext(config=configs), tilelang.tvm.target.Target(tgt):
+        return tilelang.lower(main, target=tgt).kernel_source
+
+
+def test_cuda_build_lowers_for_sm90():
+    """Without a GPU: the sm_90a post_pre builds lower; their CUDA source has the properties the
+    design relies on (wgmma mixes GEMM, 16-byte stream accesses, no FMA contraction in the
+    expand/collapse, warp-shuffle sum of squares).  fp32 streams: the staged kernel, multi-stage
+    cp.async into shared memory.  bf16 streams: the warp-specialised kernel, streams through TMA
+    into an mbarrier ring and no CTA-wide barrier after the barriers' set-up."""
+    for dtype in ("float32", "bfloat16"):
+        src = _sm90_source("post_pre", dtype)
+        assert "wgmma" in src and "__shfl_xor_sync" in src
+        vec = "uint4" if dtype == "bfloat16" else "float4"
+        assert f"*({vec}*)(HN" in src and f"*({vec}*)(X" in src
+        assert "__fmul_rn" in src and "__fadd_rn" in src
+        assert "fma" not in src  # no explicit fused multiply-add either
+        if dtype == "float32":
+            assert "*(float4*)(xl" in src
+            assert "cp_async_gs_conditional<16>" in src and f"cp_async_wait<{K._STAGES - 1}>" in src
+        else:
+            assert src.count("tl::tma_load(RES_desc") == 2 and src.count("tl::tma_load(Y_desc") == 2
+            assert src.count("__syncthreads()") == 1 and ".wait(" in src and ".arrive()" in src
+            assert "cp_async" not in src
 
 
 def test_cuda_post_collapse_lowers_for_sm90():
@@ -276,8 +292,11 @@ def test_cuda_splits():
     chunks = 5120 // K.DC
     assert K.cuda_splits(5120, 1) == chunks and K.cuda_splits(5120, K.TB) == chunks
     for n in (4096, 65536):
-        k = K.cuda_splits(5120, n)
-        assert chunks % k == 0 and k * K._NPAD * 4 <= 0.03 * (2 * 4 + 2) * 5120 * 2
+        for ws in (False, True):
+            k = K.cuda_splits(5120, n, ws)
+            assert chunks % k == 0 and k * K._NPAD * 4 <= 0.03 * (2 * 4 + 2) * 5120 * 2
+    # the warp-specialised kernel, one CTA per SM: one wave at T = 1, every SM busy at T = 4096
+    assert K.cuda_splits(5120, 1, ws=True) * 1 <= 132 and K.cuda_splits(5120, 4096, ws=True) * 64 == 128
 
 
 @pytest.mark.gpu

@@ -69,7 +69,7 @@ from types import SimpleNamespace
 import tilelang.cpu.language as TC
 import tilelang.language as T
 import torch
-from dsv41c.tilelang_kernels.quant import _bits, _store, compile_for, define_op, kernel_target
+from dsv41c.tilelang_kernels.quant import NO_SYNC_ATTR, _bits, _store, compile_for, define_op, kernel_target
 
 from dsv41c import mhc
 
@@ -94,6 +94,20 @@ _MIX_THREADS = 128  # CUDA mixing kernels: threads per CTA
 _NPAD = 32  # CUDA: GEMM N, the mix coefficients padded; column 24 (mix) of the workspace = sum of squares
 _STAGES = 2  # CUDA mixing kernels: chunks of streams in shared memory (the pipeline's depth)
 _CTAS_PER_SM = 2  # CUDA: resident mixes CTAs per H200 SM (shared memory: 86 KB each at 2 stages)
+_WS_SMEM = 200 * 1024  # CUDA warp-specialised mixing kernel (bf16 streams): its shared memory budget
+_WS_DC = 64  # CUDA warp-specialised mixing kernel: columns of each stream per chunk, where D allows
+
+
+def ws_chunk(D: int) -> int:
+    """Columns per chunk of the warp-specialised kernel: `_WS_DC` where it divides D, else DC."""
+    return _WS_DC if D % _WS_DC == 0 else DC
+
+
+def ws_stages(m: int, dc: int) -> int:
+    """Chunks in flight in the warp-specialised kernel's TMA ring: as many as `_WS_SMEM` holds next
+    to the GEMM operands (h_new double-buffered, fn's three pieces), at most 6."""
+    stage, fixed = TB * (m + 1) * dc * 2, 2 * TB * m * dc * 2 + 3 * _NPAD * m * dc * 2
+    return max(2, min(6, (_WS_SMEM - fixed) // stage))
 
 
 # ------------------------------------------------------------------------------------- refs
@@ -322,7 +336,7 @@ def mhc_prim_funcs(kind, dtype, m, D, norm_eps, hc_eps, iters, target):
         return [_cpu_prim_func(kind, dtype, m, D, norm_eps, hc_eps, iters)]
     if kind == "post_collapse":
         return [_cuda_stream_prim_func(dtype, m, D)]
-    return [_cuda_mixes_prim_func(kind, dtype, m, D),
+    return [_cuda_ws_prim_func(kind, m, D) if dtype == "bfloat16" else _cuda_mixes_prim_func(kind, dtype, m, D),
             _cuda_finalize_prim_func(m, D, norm_eps, hc_eps, iters)]
 
 
@@ -336,16 +350,20 @@ def build(kind: str, dtype: str, m: int, D: int, norm_eps: float, hc_eps: float,
 
 
 @functools.lru_cache(maxsize=1024)  # called per op call: the search over divisors costs ~10 us of host time
-def cuda_splits(D: int, n: int, sms: int = 132) -> int:
-    """CTAs along D per token tile for T = n tokens: the divisor K of D/DC that minimises
-    waves x chunks per CTA over the resident CTAs (`_CTAS_PER_SM` per SM), preferring K >= 8
-    (the tile's CTAs then read at least 512 contiguous bytes of a row together), with the
-    workspace (K x 128 B per token) kept under ~3% of the stream traffic unless all the CTAs fit
-    in one wave: at T = 1 every chunk gets its own CTA, and the latency is one chunk's instead of
-    one CTA walking all of D."""
-    chunks, tiles, slots = D // DC, -(-n // TB), _CTAS_PER_SM * sms
+def cuda_splits(D: int, n: int, ws: bool = False, sms: int = 132) -> int:
+    """CTAs along D per token tile for T = n tokens: a divisor K of D/DC, with the workspace
+    (K x 128 B per token) kept under ~3% of the stream traffic unless all the CTAs fit in one wave.
+    - the staged kernel (ws False, `_CTAS_PER_SM` per SM): K minimises waves x chunks per CTA,
+      preferring K >= 8 (the tile's CTAs then read at least 512 contiguous bytes of a row together);
+      at T = 1 every chunk gets its own CTA, and the latency is one chunk's.
+    - the warp-specialised kernel (one CTA per SM): K minimises waves x (chunks per CTA + 2, its
+      pipeline's fill and drain), preferring fewer, longer CTAs."""
+    chunks, tiles = D // (ws_chunk(D) if ws else DC), -(-n // TB)
+    slots = sms if ws else _CTAS_PER_SM * sms
     cap = max(1, (D * 2 * 10) * 3 // 100 // (_NPAD * 4))
     ks = [k for k in range(1, chunks + 1) if chunks % k == 0 and (k <= cap or tiles * k <= slots)]
+    if ws:
+        return min(ks, key=lambda k: (-(-tiles * k // slots) * (chunks // k + 2), k))
     return min(ks, key=lambda k: (-(-tiles * k // slots) * (chunks // k), k < 8, k))
 
 
@@ -402,7 +420,8 @@ def _launch(kind, bufs, n, m, d, dtype, eps):
         return
     target = kernel_target(bufs["X"], "mhc")
     if target != "c" and kind != "post_collapse":
-        bufs["WS"] = bufs["X"].new_empty((cuda_splits(d, n), n, _NPAD), dtype=torch.float32)
+        bufs["WS"] = bufs["X"].new_empty((cuda_splits(d, n, ws=dtype == torch.bfloat16), n, _NPAD),
+                                         dtype=torch.float32)
     args = {name: _kernel_arg(t, target) for name, t in bufs.items()}
     for names, kernel in build(kind, _DTYPES[dtype], m, d, *eps, target):
         kernel(*(args[name] for name in names))
@@ -576,6 +595,39 @@ def _cuda_stream_prim_func(dtype, m, D):
     return names, _prim_func(names, S, body)
 
 
+def _fn_macros(m, D, dc=DC):
+    """(load_fn, split_fn) of the mixing kernels, for one warpgroup of _MIX_THREADS threads (tx its
+    thread index in the group): fn's chunk of dc columns at column d0 of every stream as float4
+    vectors into registers fl, then into the shared GEMM operands Bs as three bf16 pieces (bl:
+    scratch)."""
+    mix, kc = 2 * m + m * m, m * dc
+    nfv = mix * kc // 4  # float4 vectors of fn per chunk
+    FU = -(-nfv // _MIX_THREADS)
+
+    @T.macro
+    def load_fn(B, fl, tx, d0):
+        for u in T.unroll(FU):
+            q = u * _MIX_THREADS + tx
+            if FU * _MIX_THREADS == nfv or q < nfv:
+                for e in T.vectorized(4):
+                    fl[u, e] = B["FN"][q // (kc // 4), (q % (kc // 4)) * 4 // dc * D + d0
+                                       + (q % (kc // 4)) * 4 % dc + e]
+
+    @T.macro
+    def split_fn(fl, bl, Bs, tx):
+        for u in T.unroll(FU):
+            q = u * _MIX_THREADS + tx
+            if FU * _MIX_THREADS == nfv or q < nfv:
+                for e in T.unroll(4):
+                    for p, piece in enumerate(_bf16_pieces(fl[u, e], 3)):
+                        bl[p, e] = piece
+                for p in [0, 1, 2]:
+                    for e in T.vectorized(4):
+                        Bs[p][q // (kc // 4), (q % (kc // 4)) * 4 + e] = bl[p, e]
+
+    return FU, load_fn, split_fn
+
+
 def _cuda_mixes_prim_func(kind, dtype, m, D):
     """The streaming kernel with the mixes GEMM (module docstring, CUDA step 1)."""
     expand = kind == "post_pre"
@@ -593,8 +645,7 @@ def _cuda_mixes_prim_func(kind, dtype, m, D):
     npa = 1 if dtype == "bfloat16" else 3  # bf16 pieces of a stream value
     pieces = list(range(npa))
     pairs = [(a, b) for a in range(npa) for b in range(3) if a + b <= 2]
-    nfv = mix * kc // 4  # float4 vectors of fn per chunk
-    FU = -(-nfv // _MIX_THREADS)
+    FU, load_fn, split_fn = _fn_macros(m, D)
     ncf = (m + m * m if expand else 0) + m  # per-token coefficients: post, comb, pre_delayed
     src = "RES" if expand else "H"
     mul, add = _arith(True)
@@ -603,29 +654,6 @@ def _cuda_mixes_prim_func(kind, dtype, m, D):
     def row(B, r, t, c):
         """Element (t, c) of stream r of the source (r = m: y)."""
         return B["Y"][t, c] if r == m else B[src][t, r, c]
-
-    @T.macro
-    def load_fn(B, fl, tx, d0):
-        """fn's chunk at column d0 of every stream, as float4 vectors, into registers."""
-        for u in T.unroll(FU):
-            q = u * _MIX_THREADS + tx
-            if FU * _MIX_THREADS == nfv or q < nfv:
-                for e in T.vectorized(4):
-                    fl[u, e] = B["FN"][q // (kc // 4), (q % (kc // 4)) * 4 // DC * D + d0
-                                       + (q % (kc // 4)) * 4 % DC + e]
-
-    @T.macro
-    def split_fn(fl, bl, Bs, tx):
-        """fn's chunk into Bs as three bf16 pieces."""
-        for u in T.unroll(FU):
-            q = u * _MIX_THREADS + tx
-            if FU * _MIX_THREADS == nfv or q < nfv:
-                for e in T.unroll(4):
-                    for p, piece in enumerate(_bf16_pieces(fl[u, e], 3)):
-                        bl[p, e] = piece
-                for p in [0, 1, 2]:
-                    for e in T.vectorized(4):
-                        Bs[p][q // (kc // 4), (q % (kc // 4)) * 4 + e] = bl[p, e]
 
     @T.macro
     def issue_streams(B, St, stage, bt, tx, d0):
@@ -766,6 +794,165 @@ def _cuda_mixes_prim_func(kind, dtype, m, D):
                     B["WS"][bk, t, it % _NPAD] = Cs[it // _NPAD, it % _NPAD]
 
     return names, _prim_func(names, S, body)
+
+
+def _cuda_ws_prim_func(kind, m, D):
+    """The warp-specialised mixing kernel for bf16 streams (module docstring, CUDA step 1).
+
+    Grid (K splits of D, token tiles of TB = 64); three warpgroups with one duty each, handing off
+    through mbarriers, with no CTA-wide barrier after the set-up:
+    - warpgroup 2 (the producer): one elected thread keeps `ws_stages` chunks of the streams (and
+      y) in flight with TMA into a shared ring (each chunk a [64, m, dc] box of the source and a
+      [64, dc] box of y, dc = `ws_chunk(D)`; rows past N arrive as zeros); the whole group loads fn's chunk, splits it
+      into three bf16 pieces (`_fn_macros`) and runs the chunk's mixes GEMM on the tensor cores
+      once the streaming groups have staged h_new, adding it to its fp32 total with IEEE adds.
+    - warpgroups 0 and 1 (the streams): thread tx owns columns tx % 4 * 8 + 32u (8 each, u < dc / 32)
+      of token tx // 4 in every chunk.
+      It reads them from the ring (and releases the stage at once), forms h_new and x in the
+      reference's operation order, stores both straight to global memory, adds h_new^2 to its sum
+      of squares, and stages h_new as the GEMM operand in a double buffer.
+    Partial dot products and sums of squares go to the workspace [K, T, 32] for the finalize
+    kernel, as in `_cuda_mixes_prim_func`."""
+    expand = kind == "post_pre"
+    dtype = "bfloat16"
+    names = _PARAMS[kind, "main"]
+    splits = T.dynamic("K")
+    S, N = _buffers(names, dtype, m, D, splits)
+    mix = 2 * m + m * m
+    dc = ws_chunk(D)  # columns of each stream per chunk
+    nch = D // dc // splits  # chunks per CTA
+    kc = m * dc  # GEMM K per chunk
+    vec = 8
+    U = dc // 32  # items (8 columns) per thread and chunk: columns g, g + 32, ... of its token
+    nst = 2 * _MIX_THREADS  # streaming threads: 4 per token of the tile
+    assert TB * 4 == nst and D % dc == 0
+    rows = list(range(m + 1 if expand else m))
+    ncf = (m + m * m if expand else 0) + m  # per-token coefficients: post, comb, pre_delayed
+    src = "RES" if expand else "H"
+    NS = ws_stages(m, dc)
+    FU, load_fn, split_fn = _fn_macros(m, D, dc)
+    mul, add = _arith(True)
+
+    @T.macro
+    def issue(B, Sr, Sy, full, bt, bk, ch):
+        """TMA of chunk ch's streams (and y) into stage ch % NS, completing on full[ch % NS]."""
+        d0 = (ch * splits + bk) * dc
+        T.tma_copy(B[src][bt * TB:(bt + 1) * TB, 0:m, d0:d0 + dc], Sr[ch % NS, :, :, :], barrier=full[ch % NS])
+        if expand:
+            T.tma_copy(B["Y"][bt * TB:(bt + 1) * TB, d0:d0 + dc], Sy[ch % NS, :, :], barrier=full[ch % NS])
+        T.mbarrier_arrive(full[ch % NS])
+
+    @T.macro
+    def body(B):
+        with T.Kernel(splits, T.ceildiv(N, TB), threads=nst + _MIX_THREADS) as (bk, bt):
+            tx = T.get_thread_binding()
+            Sr = T.alloc_shared((NS, TB, m, dc), dtype)
+            Sy = T.alloc_shared((NS, TB, dc), dtype)
+            As = T.alloc_shared((2, TB, kc), "bfloat16")
+            Bs = [T.alloc_shared((_NPAD, kc), "bfloat16") for _ in range(3)]
+            Cc = T.alloc_fragment((TB, _NPAD), "float32")
+            Cf = T.alloc_fragment((TB, _NPAD), "float32")
+            fl = T.alloc_local((FU, 4), "float32")
+            bl = T.alloc_local((3, 4), "bfloat16")
+            co = T.alloc_local((ncf,), "float32")
+            xl = T.alloc_local((U, len(rows), vec), dtype)
+            ol = T.alloc_local((U, m, vec), dtype)
+            xo = T.alloc_local((U, vec), dtype)
+            hv = T.alloc_local((m,), "float32")
+            sq = T.alloc_var("float32")
+            full = T.alloc_barrier([_MIX_THREADS] * NS)  # stage loaded (the producers arrive)
+            empty = T.alloc_barrier([nst] * NS)  # stage read by every streaming thread
+            afull = T.alloc_barrier([nst] * 2)  # GEMM operand staged
+            aempty = T.alloc_barrier([_MIX_THREADS] * 2)  # GEMM operand consumed
+            with T.ws(2):
+                gx = tx - nst
+                for ch in T.serial(NS):
+                    if ch < nch:
+                        issue(B, Sr, Sy, full, bt, bk, ch)
+                for q in T.serial(-(-(_NPAD - mix) * kc // _MIX_THREADS)):  # zero fn rows mix.._NPAD
+                    if q * _MIX_THREADS + gx < (_NPAD - mix) * kc:
+                        for p in [0, 1, 2]:
+                            Bs[p][mix + (q * _MIX_THREADS + gx) // kc, (q * _MIX_THREADS + gx) % kc] = T.bfloat16(0)
+                T.clear(Cf)
+                load_fn(B, fl, gx, bk * dc)
+                for ch in T.serial(nch):
+                    if ch > 0 and ch - 1 + NS < nch:  # refill the stage chunk ch - 1 was read from
+                        T.mbarrier_wait_parity(empty[(ch - 1) % NS], (ch - 1) // NS % 2)
+                        issue(B, Sr, Sy, full, bt, bk, ch - 1 + NS)
+                    split_fn(fl, bl, Bs, gx)
+                    if ch + 1 < nch:  # fn's next chunk travels during this chunk's GEMM
+                        load_fn(B, fl, gx, ((ch + 1) * splits + bk) * dc)
+                    T.fence_proxy_async()
+                    T.sync_threads(1, _MIX_THREADS)  # Bs written by the whole group
+                    T.mbarrier_wait_parity(afull[ch % 2], ch // 2 % 2)
+                    T.clear(Cc)
+                    for b in [2, 1, 0]:  # the small cross terms first
+                        T.gemm(As[ch % 2, :, :], Bs[b], Cc, transpose_B=True)
+                    T.mbarrier_arrive(aempty[ch % 2])
+                    T.sync_threads(1, _MIX_THREADS)  # every warp's GEMM is done with Bs
+                    for i, j in T.Parallel(TB, _NPAD):
+                        Cf[i, j] = Cf[i, j] + Cc[i, j]
+                for i, j in T.Parallel(TB, _NPAD):
+                    if bt * TB + i < N and j < mix:
+                        B["WS"][bk, bt * TB + i, j] = Cf[i, j]
+            with T.ws(0, 1):
+                r = tx // 4  # the thread's token within the tile
+                t = bt * TB + r
+                g = tx % 4 * vec  # its first column within a chunk
+                sq = T.float32(0)
+                for k in T.unroll(ncf):
+                    co[k] = T.float32(0)
+                if t < N:
+                    if expand:
+                        for j in T.unroll(m):
+                            co[j] = B["PIN"][t, j]
+                            for i in T.unroll(m):
+                                co[m + i * m + j] = B["CIN"][t, i, j]
+                    for j in T.unroll(m):
+                        co[ncf - m + j] = B["PD"][t, j]
+                for ch in T.serial(nch):
+                    c0 = (ch * splits + bk) * dc + g
+                    T.mbarrier_wait_parity(full[ch % NS], ch // NS % 2)
+                    for u in T.unroll(U):
+                        for j in rows:
+                            for e in T.vectorized(vec):
+                                xl[u, j, e] = (Sy[ch % NS, r, u * 32 + g + e] if j == m
+                                               else Sr[ch % NS, r, j, u * 32 + g + e])
+                    T.mbarrier_arrive(empty[ch % NS])
+                    for u in T.unroll(U):
+                        for e in T.unroll(vec):
+                            if expand:
+                                for j, hj in enumerate(_expand_exprs(  # (the lambdas: called at once, at trace time)
+                                        m, lambda coef: co[coef], lambda src_row: T.Cast("float32", xl[u, src_row, e]),  # noqa: B023
+                                        mul, add)):
+                                    ol[u, j, e] = T.Cast(dtype, hj)
+                                    hv[j] = T.Cast("float32", ol[u, j, e])
+                            else:
+                                for j in rows:
+                                    hv[j] = T.Cast("float32", xl[u, j, e])
+                            xo[u, e] = T.Cast(dtype, _collapse_expr(m, lambda pd_j: co[ncf - m + pd_j], hv, mul, add))  # noqa: B023
+                            for j in T.unroll(m):
+                                sq = sq + hv[j] * hv[j]
+                        if t < N:
+                            for e in T.vectorized(vec):
+                                B["X"][t, c0 + u * 32 + e] = xo[u, e]
+                            if expand:
+                                for j in T.unroll(m):
+                                    for e in T.vectorized(vec):
+                                        B["HN"][t, j, c0 + u * 32 + e] = ol[u, j, e]
+                    T.mbarrier_wait_parity(aempty[ch % 2], ch // 2 % 2 ^ 1)
+                    for u in T.unroll(U):
+                        for j in T.unroll(m):
+                            for e in T.vectorized(vec):
+                                As[ch % 2, r, j * dc + u * 32 + g + e] = ol[u, j, e] if expand else xl[u, j, e]
+                    T.fence_proxy_async()
+                    T.mbarrier_arrive(afull[ch % 2])
+                for k in T.unroll(2):  # the 4 lanes of one token
+                    sq = sq + T.shfl_xor(sq, 1 << k)
+                if t < N and tx % 4 == 0:
+                    B["WS"][bk, t, mix] = sq
+
+    return names, _prim_func(names, S, body).with_attr(NO_SYNC_ATTR, 1)
 
 
 def _cuda_finalize_prim_func(m, D, norm_eps, hc_eps, iters):

@@ -559,14 +559,23 @@ def build(fmt: str, direction: str, dtype: str, n: int, target: str):
     return compile_for(fn, target)
 
 
+NO_SYNC_ATTR = "dsv41c.no_thread_storage_sync"  # prim_func attr: TileLang inserts no barriers of its own
+
+
 def compile_for(fn, target: str):
     """tilelang.compile of a prim_func for target "c" (CPU) or "cuda[:sm_XX[a]]", without fast math
-    (the kernels' exactness arguments assume IEEE fp32 operations). Shared by every kernel module."""
+    (the kernels' exactness arguments assume IEEE fp32 operations). Shared by every kernel module.
+    A prim_func with the attr NO_SYNC_ATTR is compiled without TileLang's shared-memory barrier
+    insertion: a warp-specialised kernel whose roles meet only at its own mbarriers would deadlock
+    on a CTA-wide barrier placed between them."""
     if target == "c":
         return tilelang.compile(fn, target="c")
     arch = target.partition(":")[2]
     tgt = {"kind": "cuda", "arch": arch} if arch else "cuda"
-    return tilelang.compile(fn, target=tgt, pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: False})
+    configs = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: False}
+    if fn.attrs is not None and NO_SYNC_ATTR in fn.attrs:  # the kernel places all its barriers itself
+        configs[tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC] = True
+    return tilelang.compile(fn, target=tgt, pass_configs=configs)
 
 
 def build_many(keys) -> None:
