@@ -94,13 +94,16 @@ _MIX_THREADS = 128  # CUDA mixing kernels: threads per CTA
 _NPAD = 32  # CUDA: GEMM N, the mix coefficients padded; column 24 (mix) of the workspace = sum of squares
 _STAGES = 2  # CUDA mixing kernels: chunks of streams in shared memory (the pipeline's depth)
 _CTAS_PER_SM = 2  # CUDA: resident mixes CTAs per H200 SM (shared memory: 86 KB each at 2 stages)
+_WS_STREAM_GROUPS = 4  # CUDA warp-specialised mixing kernel: warpgroups forming the streams
+_WS_FN_PARTS = 2  # CUDA warp-specialised mixing kernel: fn's chunk loaded and split in this many parts
 _WS_SMEM = 200 * 1024  # CUDA warp-specialised mixing kernel (bf16 streams): its shared memory budget
-_WS_DC = 64  # CUDA warp-specialised mixing kernel: columns of each stream per chunk, where D allows
+_WS_DC = 64  # CUDA warp-specialised mixing kernel: columns of each stream per chunk
 
 
-def ws_chunk(D: int) -> int:
-    """Columns per chunk of the warp-specialised kernel: `_WS_DC` where it divides D, else DC."""
-    return _WS_DC if D % _WS_DC == 0 else DC
+def warp_specialised(dtype: str, D: int) -> bool:
+    """Whether the CUDA mixing ops of these streams run the warp-specialised kernel (bf16 streams
+    whose width is a multiple of its chunk) rather than the staged one."""
+    return dtype == "bfloat16" and D % _WS_DC == 0
 
 
 def ws_stages(m: int, dc: int) -> int:
@@ -336,7 +339,7 @@ def mhc_prim_funcs(kind, dtype, m, D, norm_eps, hc_eps, iters, target):
         return [_cpu_prim_func(kind, dtype, m, D, norm_eps, hc_eps, iters)]
     if kind == "post_collapse":
         return [_cuda_stream_prim_func(dtype, m, D)]
-    return [_cuda_ws_prim_func(kind, m, D) if dtype == "bfloat16" else _cuda_mixes_prim_func(kind, dtype, m, D),
+    return [_cuda_ws_prim_func(kind, m, D) if warp_specialised(dtype, D) else _cuda_mixes_prim_func(kind, dtype, m, D),
             _cuda_finalize_prim_func(m, D, norm_eps, hc_eps, iters)]
 
 
@@ -358,7 +361,7 @@ def cuda_splits(D: int, n: int, ws: bool = False, sms: int = 132) -> int:
       at T = 1 every chunk gets its own CTA, and the latency is one chunk's.
     - the warp-specialised kernel (one CTA per SM): K minimises waves x (chunks per CTA + 2, its
       pipeline's fill and drain), preferring fewer, longer CTAs."""
-    chunks, tiles = D // (ws_chunk(D) if ws else DC), -(-n // TB)
+    chunks, tiles = D // (_WS_DC if ws else DC), -(-n // TB)
     slots = sms if ws else _CTAS_PER_SM * sms
     cap = max(1, (D * 2 * 10) * 3 // 100 // (_NPAD * 4))
     ks = [k for k in range(1, chunks + 1) if chunks % k == 0 and (k <= cap or tiles * k <= slots)]
@@ -420,8 +423,8 @@ def _launch(kind, bufs, n, m, d, dtype, eps):
         return
     target = kernel_target(bufs["X"], "mhc")
     if target != "c" and kind != "post_collapse":
-        bufs["WS"] = bufs["X"].new_empty((cuda_splits(d, n, ws=dtype == torch.bfloat16), n, _NPAD),
-                                         dtype=torch.float32)
+        ws = warp_specialised(_DTYPES[dtype], d)
+        bufs["WS"] = bufs["X"].new_empty((cuda_splits(d, n, ws), n, _NPAD), dtype=torch.float32)
     args = {name: _kernel_arg(t, target) for name, t in bufs.items()}
     for names, kernel in build(kind, _DTYPES[dtype], m, d, *eps, target):
         kernel(*(args[name] for name in names))
@@ -595,29 +598,33 @@ def _cuda_stream_prim_func(dtype, m, D):
     return names, _prim_func(names, S, body)
 
 
-def _fn_macros(m, D, dc=DC):
-    """(load_fn, split_fn) of the mixing kernels, for one warpgroup of _MIX_THREADS threads (tx its
-    thread index in the group): fn's chunk of dc columns at column d0 of every stream as float4
-    vectors into registers fl, then into the shared GEMM operands Bs as three bf16 pieces (bl:
-    scratch)."""
+def _fn_macros(m, D, dc=DC, parts=1):
+    """(FU, load_fn, split_fn) of the mixing kernels, for one warpgroup of _MIX_THREADS threads (tx
+    its thread index in the group): part `part` (of `parts`) of fn's chunk of dc columns at column
+    d0 of every stream as FU float4 vectors per thread into registers fl, then into the shared
+    GEMM operands Bs as three bf16 pieces (bl: scratch)."""
     mix, kc = 2 * m + m * m, m * dc
     nfv = mix * kc // 4  # float4 vectors of fn per chunk
-    FU = -(-nfv // _MIX_THREADS)
+    FU = -(-nfv // (_MIX_THREADS * parts))
+
+    def vectors(tx, part):
+        """(register slot, vector index) of the part's vectors this thread handles."""
+        for u in range(FU):
+            q = (part * FU + u) * _MIX_THREADS + tx
+            yield u, q, (parts * FU * _MIX_THREADS == nfv or q < nfv)
 
     @T.macro
-    def load_fn(B, fl, tx, d0):
-        for u in T.unroll(FU):
-            q = u * _MIX_THREADS + tx
-            if FU * _MIX_THREADS == nfv or q < nfv:
+    def load_fn(B, fl, tx, d0, part):
+        for u, q, ok in vectors(tx, part):
+            if ok:
                 for e in T.vectorized(4):
                     fl[u, e] = B["FN"][q // (kc // 4), (q % (kc // 4)) * 4 // dc * D + d0
                                        + (q % (kc // 4)) * 4 % dc + e]
 
     @T.macro
-    def split_fn(fl, bl, Bs, tx):
-        for u in T.unroll(FU):
-            q = u * _MIX_THREADS + tx
-            if FU * _MIX_THREADS == nfv or q < nfv:
+    def split_fn(fl, bl, Bs, tx, part):
+        for u, q, ok in vectors(tx, part):
+            if ok:
                 for e in T.unroll(4):
                     for p, piece in enumerate(_bf16_pieces(fl[u, e], 3)):
                         bl[p, e] = piece
@@ -721,7 +728,7 @@ def _cuda_mixes_prim_func(kind, dtype, m, D):
                 if ch + _STAGES - 1 < nch:
                     issue_streams(B, St, (ch + _STAGES - 1) % _STAGES, bt, tx, d0 + (_STAGES - 1) * splits * DC)
                 T.ptx_commit_group()  # (empty near the end: the wait below stays uniform)
-                load_fn(B, fl, tx, d0)
+                load_fn(B, fl, tx, d0, 0)
                 T.ptx_wait_group(_STAGES - 1)  # this thread's copies of chunk ch have landed
                 T.sync_threads()  # and everyone's
                 for u in T.unroll(U):
@@ -768,7 +775,7 @@ def _cuda_mixes_prim_func(kind, dtype, m, D):
                                     As[p][it // ipr, j * DC + it % ipr * vec + e] = ol[j, e]
                                 else:
                                     As[p][it // ipr, j * DC + it % ipr * vec + e] = xl[u, j, e]
-                split_fn(fl, bl, Bs, tx)  # (fn's loads had the stream compute to land)
+                split_fn(fl, bl, Bs, tx, 0)  # (fn's loads had the stream compute to land)
                 T.sync_threads()
                 # Each chunk accumulates on its own and is added to the total in IEEE fp32: the
                 # tensor cores' accumulation does not round like fp32 adds, and its error would
@@ -803,7 +810,7 @@ def _cuda_ws_prim_func(kind, m, D):
     through mbarriers, with no CTA-wide barrier after the set-up:
     - warpgroup 2 (the producer): one elected thread keeps `ws_stages` chunks of the streams (and
       y) in flight with TMA into a shared ring (each chunk a [64, m, dc] box of the source and a
-      [64, dc] box of y, dc = `ws_chunk(D)`; rows past N arrive as zeros); the whole group loads fn's chunk, splits it
+      [64, dc] box of y, dc = `_WS_DC`; rows past N arrive as zeros); the whole group loads fn's chunk, splits it
       into three bf16 pieces (`_fn_macros`) and runs the chunk's mixes GEMM on the tensor cores
       once the streaming groups have staged h_new, adding it to its fp32 total with IEEE adds.
     - warpgroups 0 and 1 (the streams): thread tx owns columns tx % 4 * 8 + 32u (8 each, u < dc / 32)
@@ -819,18 +826,20 @@ def _cuda_ws_prim_func(kind, m, D):
     splits = T.dynamic("K")
     S, N = _buffers(names, dtype, m, D, splits)
     mix = 2 * m + m * m
-    dc = ws_chunk(D)  # columns of each stream per chunk
+    dc = _WS_DC  # columns of each stream per chunk
     nch = D // dc // splits  # chunks per CTA
     kc = m * dc  # GEMM K per chunk
     vec = 8
-    U = dc // 32  # items (8 columns) per thread and chunk: columns g, g + 32, ... of its token
-    nst = 2 * _MIX_THREADS  # streaming threads: 4 per token of the tile
-    assert TB * 4 == nst and D % dc == 0
+    nst = _WS_STREAM_GROUPS * _MIX_THREADS  # streaming threads
+    tpt = nst // TB  # streaming threads per token of the tile
+    U = dc // (vec * tpt)  # items (8 columns) per thread and chunk: columns g, g + 8 tpt, ...
+    assert U * vec * tpt == dc and D % dc == 0
     rows = list(range(m + 1 if expand else m))
     ncf = (m + m * m if expand else 0) + m  # per-token coefficients: post, comb, pre_delayed
     src = "RES" if expand else "H"
     NS = ws_stages(m, dc)
-    FU, load_fn, split_fn = _fn_macros(m, D, dc)
+    FP = _WS_FN_PARTS  # fn's chunk in parts: fewer registers in the producer group
+    FU, load_fn, split_fn = _fn_macros(m, D, dc, FP)
     mul, add = _arith(True)
 
     @T.macro
@@ -864,7 +873,7 @@ def _cuda_ws_prim_func(kind, m, D):
             empty = T.alloc_barrier([nst] * NS)  # stage read by every streaming thread
             afull = T.alloc_barrier([nst] * 2)  # GEMM operand staged
             aempty = T.alloc_barrier([_MIX_THREADS] * 2)  # GEMM operand consumed
-            with T.ws(2):
+            with T.ws(_WS_STREAM_GROUPS):
                 gx = tx - nst
                 for ch in T.serial(NS):
                     if ch < nch:
@@ -874,14 +883,17 @@ def _cuda_ws_prim_func(kind, m, D):
                         for p in [0, 1, 2]:
                             Bs[p][mix + (q * _MIX_THREADS + gx) // kc, (q * _MIX_THREADS + gx) % kc] = T.bfloat16(0)
                 T.clear(Cf)
-                load_fn(B, fl, gx, bk * dc)
+                load_fn(B, fl, gx, bk * dc, 0)
                 for ch in T.serial(nch):
                     if ch > 0 and ch - 1 + NS < nch:  # refill the stage chunk ch - 1 was read from
                         T.mbarrier_wait_parity(empty[(ch - 1) % NS], (ch - 1) // NS % 2)
                         issue(B, Sr, Sy, full, bt, bk, ch - 1 + NS)
-                    split_fn(fl, bl, Bs, gx)
-                    if ch + 1 < nch:  # fn's next chunk travels during this chunk's GEMM
-                        load_fn(B, fl, gx, ((ch + 1) * splits + bk) * dc)
+                    for part in range(FP):
+                        split_fn(fl, bl, Bs, gx, part)
+                        if part + 1 < FP:
+                            load_fn(B, fl, gx, (ch * splits + bk) * dc, part + 1)
+                        elif ch + 1 < nch:  # fn's next chunk travels during this chunk's GEMM
+                            load_fn(B, fl, gx, ((ch + 1) * splits + bk) * dc, 0)
                     T.fence_proxy_async()
                     T.sync_threads(1, _MIX_THREADS)  # Bs written by the whole group
                     T.mbarrier_wait_parity(afull[ch % 2], ch // 2 % 2)
@@ -895,10 +907,10 @@ def _cuda_ws_prim_func(kind, m, D):
                 for i, j in T.Parallel(TB, _NPAD):
                     if bt * TB + i < N and j < mix:
                         B["WS"][bk, bt * TB + i, j] = Cf[i, j]
-            with T.ws(0, 1):
-                r = tx // 4  # the thread's token within the tile
+            with T.ws(*range(_WS_STREAM_GROUPS)):
+                r = tx // tpt  # the thread's token within the tile
                 t = bt * TB + r
-                g = tx % 4 * vec  # its first column within a chunk
+                g = tx % tpt * vec  # its first column within a chunk
                 sq = T.float32(0)
                 for k in T.unroll(ncf):
                     co[k] = T.float32(0)
@@ -916,8 +928,8 @@ def _cuda_ws_prim_func(kind, m, D):
                     for u in T.unroll(U):
                         for j in rows:
                             for e in T.vectorized(vec):
-                                xl[u, j, e] = (Sy[ch % NS, r, u * 32 + g + e] if j == m
-                                               else Sr[ch % NS, r, j, u * 32 + g + e])
+                                xl[u, j, e] = (Sy[ch % NS, r, u * vec * tpt + g + e] if j == m
+                                               else Sr[ch % NS, r, j, u * vec * tpt + g + e])
                     T.mbarrier_arrive(empty[ch % NS])
                     for u in T.unroll(U):
                         for e in T.unroll(vec):
@@ -935,21 +947,21 @@ def _cuda_ws_prim_func(kind, m, D):
                                 sq = sq + hv[j] * hv[j]
                         if t < N:
                             for e in T.vectorized(vec):
-                                B["X"][t, c0 + u * 32 + e] = xo[u, e]
+                                B["X"][t, c0 + u * vec * tpt + e] = xo[u, e]
                             if expand:
                                 for j in T.unroll(m):
                                     for e in T.vectorized(vec):
-                                        B["HN"][t, j, c0 + u * 32 + e] = ol[u, j, e]
+                                        B["HN"][t, j, c0 + u * vec * tpt + e] = ol[u, j, e]
                     T.mbarrier_wait_parity(aempty[ch % 2], ch // 2 % 2 ^ 1)
                     for u in T.unroll(U):
                         for j in T.unroll(m):
                             for e in T.vectorized(vec):
-                                As[ch % 2, r, j * dc + u * 32 + g + e] = ol[u, j, e] if expand else xl[u, j, e]
+                                As[ch % 2, r, j * dc + u * vec * tpt + g + e] = ol[u, j, e] if expand else xl[u, j, e]
                     T.fence_proxy_async()
                     T.mbarrier_arrive(afull[ch % 2])
-                for k in T.unroll(2):  # the 4 lanes of one token
+                for k in T.unroll(tpt.bit_length() - 1):  # the tpt lanes of one token
                     sq = sq + T.shfl_xor(sq, 1 << k)
-                if t < N and tx % 4 == 0:
+                if t < N and tx % tpt == 0:
                     B["WS"][bk, t, mix] = sq
 
     return names, _prim_func(names, S, body).with_attr(NO_SYNC_ATTR, 1)
