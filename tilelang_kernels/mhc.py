@@ -100,10 +100,11 @@ _WS_SMEM = 200 * 1024  # CUDA warp-specialised mixing kernel (bf16 streams): its
 _WS_DC = 64  # CUDA warp-specialised mixing kernel: columns of each stream per chunk
 
 
-def warp_specialised(dtype: str, D: int) -> bool:
-    """Whether the CUDA mixing ops of these streams run the warp-specialised kernel (bf16 streams
-    whose width is a multiple of its chunk) rather than the staged one."""
-    return dtype == "bfloat16" and D % _WS_DC == 0
+def warp_specialised(kind: str, dtype: str, D: int) -> bool:
+    """Whether a CUDA mixing op runs the warp-specialised kernel rather than the staged one:
+    post_pre of bf16 streams whose width is a multiple of its chunk.  (pre measured slower with
+    it on an H200, 38-41% of the bound against the staged kernel's 45-48%: BENCHMARKS.md.)"""
+    return kind == "post_pre" and dtype == "bfloat16" and D % _WS_DC == 0
 
 
 def ws_stages(m: int, dc: int) -> int:
@@ -339,7 +340,7 @@ def mhc_prim_funcs(kind, dtype, m, D, norm_eps, hc_eps, iters, target):
         return [_cpu_prim_func(kind, dtype, m, D, norm_eps, hc_eps, iters)]
     if kind == "post_collapse":
         return [_cuda_stream_prim_func(dtype, m, D)]
-    return [_cuda_ws_prim_func(kind, m, D) if warp_specialised(dtype, D) else _cuda_mixes_prim_func(kind, dtype, m, D),
+    return [_cuda_ws_prim_func(kind, m, D) if warp_specialised(kind, dtype, D) else _cuda_mixes_prim_func(kind, dtype, m, D),
             _cuda_finalize_prim_func(m, D, norm_eps, hc_eps, iters)]
 
 
@@ -423,7 +424,7 @@ def _launch(kind, bufs, n, m, d, dtype, eps):
         return
     target = kernel_target(bufs["X"], "mhc")
     if target != "c" and kind != "post_collapse":
-        ws = warp_specialised(_DTYPES[dtype], d)
+        ws = warp_specialised(kind, _DTYPES[dtype], d)
         bufs["WS"] = bufs["X"].new_empty((cuda_splits(d, n, ws), n, _NPAD), dtype=torch.float32)
     args = {name: _kernel_arg(t, target) for name, t in bufs.items()}
     for names, kernel in build(kind, _DTYPES[dtype], m, d, *eps, target):
