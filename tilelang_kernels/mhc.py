@@ -31,7 +31,11 @@ CUDA (sm_90a: wgmma needs the arch-specific target).
      cover 512 contiguous bytes of a row.  Each thread loads its 2 items (the m streams, y and the
      token's 24 coefficients) before computing any.
   pre, post_pre: two launches.
-  1. `main`: grid (K splits of D, token tiles of TB=64), 128 threads (one warpgroup).  The split is
+  1. `main`: for post_pre of bf16 streams (D a multiple of 64) the warp-specialised kernel
+     (`_cuda_ws_prim_func`: a TMA ring, streaming warpgroups and a producer/GEMM warpgroup that
+     meet only at mbarriers; the mixes GEMM as below); 56% / 61% of the bound at T = 4096 / 65536
+     on an H200, where this staged kernel reaches 48% / 51% (BENCHMARKS.md).  Otherwise the staged
+     kernel: grid (K splits of D, token tiles of TB=64), 128 threads (one warpgroup).  The split is
      blockIdx.x, so a tile's K CTAs are resident together, and CTA k takes the chunks of DC=32
      columns k, k + K, k + 2K, ...: together they read K adjacent 64-byte pieces of each row (with
      K >= 8, 512 contiguous bytes and more) instead of pieces 10 KB apart.  Per chunk each thread
