@@ -107,7 +107,7 @@ _WS_DC = 64  # CUDA warp-specialised mixing kernel: columns of each stream per c
 def warp_specialised(kind: str, dtype: str, D: int) -> bool:
     """Whether a CUDA mixing op runs the warp-specialised kernel rather than the staged one:
     post_pre of bf16 streams whose width is a multiple of its chunk.  (pre measured slower with
-    it on an H200, 38-41% of the bound against the staged kernel's 45-48%: BENCHMARKS.md.)"""
+    it on an H200, 37-41% of the bound against the staged kernel's 44-49%: BENCHMARKS.md.)"""
     return kind == "post_pre" and dtype == "bfloat16" and D % _WS_DC == 0
 
 
@@ -344,7 +344,8 @@ def mhc_prim_funcs(kind, dtype, m, D, norm_eps, hc_eps, iters, target):
         return [_cpu_prim_func(kind, dtype, m, D, norm_eps, hc_eps, iters)]
     if kind == "post_collapse":
         return [_cuda_stream_prim_func(dtype, m, D)]
-    return [_cuda_ws_prim_func(kind, m, D) if warp_specialised(kind, dtype, D) else _cuda_mixes_prim_func(kind, dtype, m, D),
+    ws = warp_specialised(kind, dtype, D)
+    return [_cuda_ws_prim_func(kind, m, D) if ws else _cuda_mixes_prim_func(kind, dtype, m, D),
             _cuda_finalize_prim_func(m, D, norm_eps, hc_eps, iters)]
 
 
@@ -613,7 +614,7 @@ def _fn_macros(m, D, dc=DC, parts=1):
     FU = -(-nfv // (_MIX_THREADS * parts))
 
     def vectors(tx, part):
-        """(register slot, vector index) of the part's vectors this thread handles."""
+        """(register slot, vector index, whether it exists) of the part's vectors this thread handles."""
         for u in range(FU):
             q = (part * FU + u) * _MIX_THREADS + tx
             yield u, q, (parts * FU * _MIX_THREADS == nfv or q < nfv)
@@ -811,18 +812,19 @@ def _cuda_mixes_prim_func(kind, dtype, m, D):
 def _cuda_ws_prim_func(kind, m, D):
     """The warp-specialised mixing kernel for bf16 streams (module docstring, CUDA step 1).
 
-    Grid (K splits of D, token tiles of TB = 64); three warpgroups with one duty each, handing off
-    through mbarriers, with no CTA-wide barrier after the set-up:
-    - warpgroup 2 (the producer): one elected thread keeps `ws_stages` chunks of the streams (and
-      y) in flight with TMA into a shared ring (each chunk a [64, m, dc] box of the source and a
-      [64, dc] box of y, dc = `_WS_DC`; rows past N arrive as zeros); the whole group loads fn's chunk, splits it
-      into three bf16 pieces (`_fn_macros`) and runs the chunk's mixes GEMM on the tensor cores
-      once the streaming groups have staged h_new, adding it to its fp32 total with IEEE adds.
-    - warpgroups 0 and 1 (the streams): thread tx owns columns tx % 4 * 8 + 32u (8 each, u < dc / 32)
-      of token tx // 4 in every chunk.
-      It reads them from the ring (and releases the stage at once), forms h_new and x in the
-      reference's operation order, stores both straight to global memory, adds h_new^2 to its sum
-      of squares, and stages h_new as the GEMM operand in a double buffer.
+    Grid (K splits of D, token tiles of TB = 64); `_WS_STREAM_GROUPS` + 1 warpgroups with one duty
+    each, handing off through mbarriers, with no CTA-wide barrier after the set-up:
+    - the last warpgroup (the producer): one elected thread keeps `ws_stages` chunks of the streams
+      (and y) in flight with TMA into a shared ring (each chunk a [64, m, dc] box of the source and
+      a [64, dc] box of y, dc = `_WS_DC`; rows past N arrive as zeros); the whole group loads fn's
+      chunk in `_WS_FN_PARTS` parts, splits it into three bf16 pieces (`_fn_macros`) and runs the
+      chunk's mixes GEMM on the tensor cores once the streaming groups have staged h_new, adding it
+      to its fp32 total with IEEE adds.
+    - the others (the streams): tpt threads per token; thread tx owns columns g + 8 tpt u (8 each)
+      of token tx // tpt in every chunk, g = tx % tpt * 8.  It reads them from the ring (and
+      releases the stage at once), forms h_new and x in the reference's operation order, stores
+      both straight to global memory, adds h_new^2 to its sum of squares, and stages h_new as the
+      GEMM operand in a double buffer.
     Partial dot products and sums of squares go to the workspace [K, T, 32] for the finalize
     kernel, as in `_cuda_mixes_prim_func`."""
     expand = kind == "post_pre"
@@ -939,15 +941,18 @@ def _cuda_ws_prim_func(kind, m, D):
                     for u in T.unroll(U):
                         for e in T.unroll(vec):
                             if expand:
-                                for j, hj in enumerate(_expand_exprs(  # (the lambdas: called at once, at trace time)
-                                        m, lambda coef: co[coef], lambda src_row: T.Cast("float32", xl[u, src_row, e]),  # noqa: B023
+                                # (the lambdas: called at once, at trace time)
+                                for j, hj in enumerate(_expand_exprs(
+                                        m, lambda coef: co[coef],
+                                        lambda src_row: T.Cast("float32", xl[u, src_row, e]),  # noqa: B023
                                         mul, add)):
                                     ol[u, j, e] = T.Cast(dtype, hj)
                                     hv[j] = T.Cast("float32", ol[u, j, e])
                             else:
                                 for j in rows:
                                     hv[j] = T.Cast("float32", xl[u, j, e])
-                            xo[u, e] = T.Cast(dtype, _collapse_expr(m, lambda pd_j: co[ncf - m + pd_j], hv, mul, add))  # noqa: B023
+                            xo[u, e] = T.Cast(dtype, _collapse_expr(
+                                m, lambda pd_j: co[ncf - m + pd_j], hv, mul, add))
                             for j in T.unroll(m):
                                 sq = sq + hv[j] * hv[j]
                         if t < N:
