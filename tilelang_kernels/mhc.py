@@ -360,8 +360,9 @@ def build(kind: str, dtype: str, m: int, D: int, norm_eps: float, hc_eps: float,
 
 @functools.lru_cache(maxsize=1024)  # called per op call: the search over divisors costs ~10 us of host time
 def cuda_splits(D: int, n: int, ws: bool = False, sms: int = 132) -> int:
-    """CTAs along D per token tile for T = n tokens: a divisor K of D/DC, with the workspace
-    (K x 128 B per token) kept under ~3% of the stream traffic unless all the CTAs fit in one wave.
+    """CTAs along D per token tile for T = n tokens: a divisor K of the chunks of D (of DC columns,
+    `_WS_DC` for the warp-specialised kernel), with the workspace (K x 128 B per token) kept under
+    ~3% of the stream traffic unless all the CTAs fit in one wave.
     - the staged kernel (ws False, `_CTAS_PER_SM` per SM): K minimises waves x chunks per CTA,
       preferring K >= 8 (the tile's CTAs then read at least 512 contiguous bytes of a row together);
       at T = 1 every chunk gets its own CTA, and the latency is one chunk's.
