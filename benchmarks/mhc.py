@@ -2,7 +2,11 @@
 compose dsv41c/mhc.py), `torch.compile` of the same refs, and the memory lower bound.
 
     python3 benchmarks/mhc.py [--dim 5120] [--hc 4] [--tokens 1 64 4096 65536] [--no-compile]
-                               [--json OUT.json]
+                               [--set NAME=VALUE ...] [--json OUT.json]
+
+--set overrides an integer tuning constant of tilelang_kernels/mhc.py before the first kernel is
+built (for example `--set _WS_DC=32 --set _WS_STREAM_GROUPS=2`), so a variant sweep is a list of
+commands; the table's header repeats the overrides.
 
 Bytes that any implementation must move per call (bf16 streams of m x D, one token = one row):
   post_pre, post_collapse: read res m*D and y D, write h_new m*D and x D  -> (2m + 2) * D * 2 B
@@ -101,6 +105,23 @@ def measure(op, n, m, d, compiled, copy_gbs, floor_ms):
             "launch_floor_ms": floor_ms, "streams_bit_exact": exact, "mixes_max_abs": mix_err}
 
 
+def tuning(assignments: list[str]) -> dict[str, int]:
+    """Apply `NAME=VALUE` overrides to tilelang_kernels/mhc.py's integer tuning constants (module
+    attributes in capitals, with or without a leading underscore); returns them.  Must run before
+    the first build: the builds are cached per process."""
+    out = {}
+    for a in assignments:
+        name, sep, value = a.partition("=")
+        if not sep or not name.lstrip("_").isupper() or not isinstance(getattr(K, name, None), int):
+            raise SystemExit(f"--set {a!r}: not NAME=VALUE with NAME an integer constant of tilelang_kernels/mhc.py")
+        try:
+            out[name] = int(value)
+        except ValueError:
+            raise SystemExit(f"--set {a!r}: {value!r} is not an integer") from None
+        setattr(K, name, out[name])
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dim", type=int, default=5120)
@@ -108,8 +129,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 4096, 65536])
     ap.add_argument("--ops", nargs="+", default=list(OPS), choices=list(OPS))
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile of the refs")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                    help="override an integer tuning constant of tilelang_kernels/mhc.py")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
+    overrides = tuning(a.set)
     torch.manual_seed(0)
     m, d = a.hc, a.dim
     copy_gbs = copy_bandwidth()
@@ -121,7 +145,8 @@ def main() -> None:
         for n in a.tokens:
             rows.append(measure(op, n, m, d, compiled, copy_gbs, floors[launches]))
     print(f"\ndevice: {torch.cuda.get_device_name()}, copy bandwidth {copy_gbs:.0f} GB/s (4 GiB device-to-device, "
-          f"read + write); launch floor {floors[1] * 1e3:.1f} us (1 launch), {floors[2] * 1e3:.1f} us (2)\n")
+          f"read + write); launch floor {floors[1] * 1e3:.1f} us (1 launch), {floors[2] * 1e3:.1f} us (2)"
+          f"{'; overrides ' + ', '.join(f'{k}={v}' for k, v in overrides.items()) if overrides else ''}\n")
     print("| op | T | MB moved | TileLang us | % bound | in a CUDA graph us | % bound | eager us | x eager | compile us | compile % bound "
           "| x compile | launch floor us | streams exact | mixes max abs |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -134,7 +159,7 @@ def main() -> None:
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"copy_gb_s": copy_gbs, "device": torch.cuda.get_device_name(), "launch_floor_ms": floors,
-                       "rows": rows}, fh, indent=2)
+                       "overrides": overrides, "rows": rows}, fh, indent=2)
 
 
 if __name__ == "__main__":

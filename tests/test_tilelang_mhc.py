@@ -303,3 +303,20 @@ def test_cuda_splits():
 @cuda
 def test_cuda_opcheck():
     opcheck_all("cuda")
+
+
+def test_benchmark_tuning_overrides(monkeypatch):
+    """benchmarks/mhc.py --set NAME=VALUE: integer constants of the kernel module only, applied
+    before the first build; anything else is refused with a message."""
+    import sys
+    from pathlib import Path
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    monkeypatch.delitem(sys.modules, "mhc", raising=False)
+    import mhc as bench
+    for name in ("_WS_DC", "_WS_STREAM_GROUPS"):
+        monkeypatch.setattr(K, name, getattr(K, name))   # restored after the test
+    assert bench.tuning(["_WS_DC=32", "_WS_STREAM_GROUPS=2"]) == {"_WS_DC": 32, "_WS_STREAM_GROUPS": 2}
+    assert (K._WS_DC, K._WS_STREAM_GROUPS) == (32, 2)
+    for bad in ("_WS_DC", "nope=1", "_WS_DC=x", "warp_specialised=1"):
+        with pytest.raises(SystemExit, match="--set"):
+            bench.tuning([bad])
