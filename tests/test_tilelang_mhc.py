@@ -245,6 +245,15 @@ def test_cuda_build_lowers_for_sm90():
             assert "cp_async" not in src
 
 
+def test_cuda_one_gemm_variant_lowers_for_sm90(monkeypatch):
+    """The warp-specialised kernel's `_WS_ONE_GEMM` variant (fn's three pieces side by side, one
+    wgmma of N = 96 per k step instead of three of N = 32) builds; it has not run on a GPU yet."""
+    monkeypatch.setattr(K, "_WS_ONE_GEMM", 1)
+    monkeypatch.setattr(K, "_WS_FN_PARTS", 4)
+    src = _sm90_source("post_pre", "bfloat16")
+    assert "64, 96, 16, false" in src and "64, 32, 16, false" not in src
+
+
 def test_cuda_post_collapse_lowers_for_sm90():
     """The flat post_collapse kernel: 16-byte loads and stores, no shared memory, no barrier."""
     import tilelang

@@ -100,6 +100,8 @@ _STAGES = 2  # CUDA mixing kernels: chunks of streams in shared memory (the pipe
 _CTAS_PER_SM = 2  # CUDA: resident mixes CTAs per H200 SM (shared memory: 86 KB each at 2 stages)
 _WS_STREAM_GROUPS = 4  # CUDA warp-specialised mixing kernel: warpgroups forming the streams
 _WS_FN_PARTS = 2  # CUDA warp-specialised mixing kernel: fn's chunk loaded and split in this many parts
+_WS_ONE_GEMM = 0  # CUDA warp-specialised mixing kernel: 1 = fn's pieces side by side, one GEMM of N = 96
+#                   per chunk instead of three of N = 32 (not yet run on a GPU; 0 is the measured kernel)
 _WS_SMEM = 200 * 1024  # CUDA warp-specialised mixing kernel (bf16 streams): its shared memory budget
 _WS_DC = 64  # CUDA warp-specialised mixing kernel: columns of each stream per chunk
 
@@ -637,7 +639,10 @@ def _fn_macros(m, D, dc=DC, parts=1):
                         bl[p, e] = piece
                 for p in [0, 1, 2]:
                     for e in T.vectorized(4):
-                        Bs[p][q // (kc // 4), (q % (kc // 4)) * 4 + e] = bl[p, e]
+                        if isinstance(Bs, list):
+                            Bs[p][q // (kc // 4), (q % (kc // 4)) * 4 + e] = bl[p, e]
+                        else:  # the pieces stacked along N
+                            Bs[p * _NPAD + q // (kc // 4), (q % (kc // 4)) * 4 + e] = bl[p, e]
 
     return FU, load_fn, split_fn
 
@@ -847,6 +852,7 @@ def _cuda_ws_prim_func(kind, m, D):
     src = "RES" if expand else "H"
     NS = ws_stages(m, dc)
     FP = _WS_FN_PARTS  # fn's chunk in parts: fewer registers in the producer group
+    one_gemm = bool(_WS_ONE_GEMM)
     FU, load_fn, split_fn = _fn_macros(m, D, dc, FP)
     mul, add = _arith(True)
 
@@ -866,8 +872,13 @@ def _cuda_ws_prim_func(kind, m, D):
             Sr = T.alloc_shared((NS, TB, m, dc), dtype)
             Sy = T.alloc_shared((NS, TB, dc), dtype)
             As = T.alloc_shared((2, TB, kc), "bfloat16")
-            Bs = [T.alloc_shared((_NPAD, kc), "bfloat16") for _ in range(3)]
-            Cc = T.alloc_fragment((TB, _NPAD), "float32")
+            if one_gemm:  # fn's three pieces side by side: one GEMM of N = 3 x 32 reads As once
+                Bs = T.alloc_shared((3 * _NPAD, kc), "bfloat16")
+                Cc = T.alloc_fragment((TB, 3 * _NPAD), "float32")
+                Ct = T.alloc_fragment((TB, _NPAD), "float32")
+            else:
+                Bs = [T.alloc_shared((_NPAD, kc), "bfloat16") for _ in range(3)]
+                Cc = T.alloc_fragment((TB, _NPAD), "float32")
             Cf = T.alloc_fragment((TB, _NPAD), "float32")
             fl = T.alloc_local((FU, 4), "float32")
             bl = T.alloc_local((3, 4), "bfloat16")
@@ -889,7 +900,12 @@ def _cuda_ws_prim_func(kind, m, D):
                 for q in T.serial(-(-(_NPAD - mix) * kc // _MIX_THREADS)):  # zero fn rows mix.._NPAD
                     if q * _MIX_THREADS + gx < (_NPAD - mix) * kc:
                         for p in [0, 1, 2]:
-                            Bs[p][mix + (q * _MIX_THREADS + gx) // kc, (q * _MIX_THREADS + gx) % kc] = T.bfloat16(0)
+                            if one_gemm:
+                                Bs[p * _NPAD + mix + (q * _MIX_THREADS + gx) // kc,
+                                   (q * _MIX_THREADS + gx) % kc] = T.bfloat16(0)
+                            else:
+                                Bs[p][mix + (q * _MIX_THREADS + gx) // kc,
+                                      (q * _MIX_THREADS + gx) % kc] = T.bfloat16(0)
                 T.clear(Cf)
                 load_fn(B, fl, gx, bk * dc, 0)
                 for ch in T.serial(nch):
@@ -906,12 +922,23 @@ def _cuda_ws_prim_func(kind, m, D):
                     T.sync_threads(1, _MIX_THREADS)  # Bs written by the whole group
                     T.mbarrier_wait_parity(afull[ch % 2], ch // 2 % 2)
                     T.clear(Cc)
-                    for b in [2, 1, 0]:  # the small cross terms first
-                        T.gemm(As[ch % 2, :, :], Bs[b], Cc, transpose_B=True)
+                    if one_gemm:
+                        T.gemm(As[ch % 2, :, :], Bs, Cc, transpose_B=True)
+                    else:
+                        for b in [2, 1, 0]:  # the small cross terms first
+                            T.gemm(As[ch % 2, :, :], Bs[b], Cc, transpose_B=True)
                     T.mbarrier_arrive(aempty[ch % 2])
                     T.sync_threads(1, _MIX_THREADS)  # every warp's GEMM is done with Bs
-                    for i, j in T.Parallel(TB, _NPAD):
-                        Cf[i, j] = Cf[i, j] + Cc[i, j]
+                    if one_gemm:  # the pieces' products, small ones first (one Cc column block a loop)
+                        for i, j in T.Parallel(TB, _NPAD):
+                            Ct[i, j] = Cc[i, j + 2 * _NPAD]
+                        for i, j in T.Parallel(TB, _NPAD):
+                            Ct[i, j] = Ct[i, j] + Cc[i, j + _NPAD]
+                        for i, j in T.Parallel(TB, _NPAD):
+                            Cf[i, j] = Cf[i, j] + (Ct[i, j] + Cc[i, j])
+                    else:
+                        for i, j in T.Parallel(TB, _NPAD):
+                            Cf[i, j] = Cf[i, j] + Cc[i, j]
                 for i, j in T.Parallel(TB, _NPAD):
                     if bt * TB + i < N and j < mix:
                         B["WS"][bk, bt * TB + i, j] = Cf[i, j]
