@@ -100,6 +100,7 @@ _STAGES = 2  # CUDA mixing kernels: chunks of streams in shared memory (the pipe
 _CTAS_PER_SM = 2  # CUDA: resident mixes CTAs per H200 SM (shared memory: 86 KB each at 2 stages)
 _WS_STREAM_GROUPS = 4  # CUDA warp-specialised mixing kernel: warpgroups forming the streams
 _WS_FN_PARTS = 2  # CUDA warp-specialised mixing kernel: fn's chunk loaded and split in this many parts
+_WS_AS_BUFFERS = 2  # CUDA warp-specialised mixing kernel: buffers of the staged h_new (the GEMM's A)
 _WS_ONE_GEMM = 0  # CUDA warp-specialised mixing kernel: 1 = fn's pieces side by side, one GEMM of N = 96
 #                   per chunk instead of three of N = 32 (not yet run on a GPU; 0 is the measured kernel)
 _WS_SMEM = 200 * 1024  # CUDA warp-specialised mixing kernel (bf16 streams): its shared memory budget
@@ -115,8 +116,8 @@ def warp_specialised(kind: str, dtype: str, D: int) -> bool:
 
 def ws_stages(m: int, dc: int) -> int:
     """Chunks in flight in the warp-specialised kernel's TMA ring: as many as `_WS_SMEM` holds next
-    to the GEMM operands (h_new double-buffered, fn's three pieces), at most 6."""
-    stage, fixed = TB * (m + 1) * dc * 2, 2 * TB * m * dc * 2 + 3 * _NPAD * m * dc * 2
+    to the GEMM operands (h_new's `_WS_AS_BUFFERS` buffers, fn's three pieces), from 2 to 6."""
+    stage, fixed = TB * (m + 1) * dc * 2, _WS_AS_BUFFERS * TB * m * dc * 2 + 3 * _NPAD * m * dc * 2
     return max(2, min(6, (_WS_SMEM - fixed) // stage))
 
 
@@ -830,7 +831,7 @@ def _cuda_ws_prim_func(kind, m, D):
       of token tx // tpt in every chunk, g = tx % tpt * 8.  It reads them from the ring (and
       releases the stage at once), forms h_new and x in the reference's operation order, stores
       both straight to global memory, adds h_new^2 to its sum of squares, and stages h_new as the
-      GEMM operand in a double buffer.
+      GEMM operand in `_WS_AS_BUFFERS` buffers.
     Partial dot products and sums of squares go to the workspace [K, T, 32] for the finalize
     kernel, as in `_cuda_mixes_prim_func`."""
     expand = kind == "post_pre"
@@ -850,6 +851,7 @@ def _cuda_ws_prim_func(kind, m, D):
     rows = list(range(m + 1 if expand else m))
     ncf = (m + m * m if expand else 0) + m  # per-token coefficients: post, comb, pre_delayed
     src = "RES" if expand else "H"
+    NA = _WS_AS_BUFFERS  # GEMM operand (h_new) buffers
     NS = ws_stages(m, dc)
     FP = _WS_FN_PARTS  # fn's chunk in parts: fewer registers in the producer group
     one_gemm = bool(_WS_ONE_GEMM)
@@ -871,7 +873,7 @@ def _cuda_ws_prim_func(kind, m, D):
             tx = T.get_thread_binding()
             Sr = T.alloc_shared((NS, TB, m, dc), dtype)
             Sy = T.alloc_shared((NS, TB, dc), dtype)
-            As = T.alloc_shared((2, TB, kc), "bfloat16")
+            As = T.alloc_shared((NA, TB, kc), "bfloat16")
             if one_gemm:  # fn's three pieces side by side: one GEMM of N = 3 x 32 reads As once
                 Bs = T.alloc_shared((3 * _NPAD, kc), "bfloat16")
                 Cc = T.alloc_fragment((TB, 3 * _NPAD), "float32")
@@ -890,8 +892,8 @@ def _cuda_ws_prim_func(kind, m, D):
             sq = T.alloc_var("float32")
             full = T.alloc_barrier([_MIX_THREADS] * NS)  # stage loaded (the producers arrive)
             empty = T.alloc_barrier([nst] * NS)  # stage read by every streaming thread
-            afull = T.alloc_barrier([nst] * 2)  # GEMM operand staged
-            aempty = T.alloc_barrier([_MIX_THREADS] * 2)  # GEMM operand consumed
+            afull = T.alloc_barrier([nst] * NA)  # GEMM operand staged
+            aempty = T.alloc_barrier([_MIX_THREADS] * NA)  # GEMM operand consumed
             with T.ws(_WS_STREAM_GROUPS):
                 gx = tx - nst
                 for ch in T.serial(NS):
@@ -920,14 +922,14 @@ def _cuda_ws_prim_func(kind, m, D):
                             load_fn(B, fl, gx, ((ch + 1) * splits + bk) * dc, 0)
                     T.fence_proxy_async()
                     T.sync_threads(1, _MIX_THREADS)  # Bs written by the whole group
-                    T.mbarrier_wait_parity(afull[ch % 2], ch // 2 % 2)
+                    T.mbarrier_wait_parity(afull[ch % NA], ch // NA % 2)
                     T.clear(Cc)
                     if one_gemm:
-                        T.gemm(As[ch % 2, :, :], Bs, Cc, transpose_B=True)
+                        T.gemm(As[ch % NA, :, :], Bs, Cc, transpose_B=True)
                     else:
                         for b in [2, 1, 0]:  # the small cross terms first
-                            T.gemm(As[ch % 2, :, :], Bs[b], Cc, transpose_B=True)
-                    T.mbarrier_arrive(aempty[ch % 2])
+                            T.gemm(As[ch % NA, :, :], Bs[b], Cc, transpose_B=True)
+                    T.mbarrier_arrive(aempty[ch % NA])
                     T.sync_threads(1, _MIX_THREADS)  # every warp's GEMM is done with Bs
                     if one_gemm:  # the pieces' products, small ones first (one Cc column block a loop)
                         for i, j in T.Parallel(TB, _NPAD):
@@ -990,13 +992,13 @@ def _cuda_ws_prim_func(kind, m, D):
                                 for j in T.unroll(m):
                                     for e in T.vectorized(vec):
                                         B["HN"][t, j, c0 + u * vec * tpt + e] = ol[u, j, e]
-                    T.mbarrier_wait_parity(aempty[ch % 2], ch // 2 % 2 ^ 1)
+                    T.mbarrier_wait_parity(aempty[ch % NA], ch // NA % 2 ^ 1)
                     for u in T.unroll(U):
                         for j in T.unroll(m):
                             for e in T.vectorized(vec):
-                                As[ch % 2, r, j * dc + u * vec * tpt + g + e] = ol[u, j, e] if expand else xl[u, j, e]
+                                As[ch % NA, r, j * dc + u * vec * tpt + g + e] = ol[u, j, e] if expand else xl[u, j, e]
                     T.fence_proxy_async()
-                    T.mbarrier_arrive(afull[ch % 2])
+                    T.mbarrier_arrive(afull[ch % NA])
                 for k in T.unroll(tpt.bit_length() - 1):  # the tpt lanes of one token
                     sq = sq + T.shfl_xor(sq, 1 << k)
                 if t < N and tx % tpt == 0:
