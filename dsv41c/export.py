@@ -565,9 +565,9 @@ def check_bound(model: Transformer, passes: Sequence[str]) -> float:
     for tiny's first four layers before the compile rounded where eager does (`compiler.PRECISION`;
     now 0 there on the CPU; 0.3% for all of tiny and 1.1% for bench.json's topology at tiny's widths,
     from Inductor's fp32 softmax, see `compiler.PRECISION`; GPU libraries also pick their own GEMM
-    reductions), and eager bf16 alone is 2.6% from fp32 on bench.json on an H200. So the check takes 0.1, a tenth of the
-    logits' scale: it passes rounding and still refuses a different function (80% for bench.json's
-    H200 artifact of 2026-12-01)."""
+    reductions), and eager bf16 alone is 2.6% from fp32 on bench.json on an H200. So the check takes
+    0.1, a tenth of the logits' scale: it passes rounding and still refuses a different function (80%
+    for bench.json's H200 artifact of 2026-12-01)."""
     if model.dtype == torch.bfloat16:
         return BF16_CHECK_BOUND
     return QUANT_RUNNER_BOUND if "fp4_kv" in passes else RUNNER_BOUND

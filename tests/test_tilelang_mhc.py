@@ -214,12 +214,12 @@ def test_opcheck_cpu():
 
 
 def _sm90_source(kind, dtype):
+    """CUDA source of the sm_90a main kernel of `kind`, lowered with the build's pass configs."""
     import tilelang
-    from dsv41c.tilelang_kernels.quant import NO_SYNC_ATTR
+    from dsv41c.tilelang_kernels.quant import cuda_pass_configs
     (_, main), *_ = K.mhc_prim_funcs(kind, dtype, 4, 5120, *HC.values(), "cuda")
     tgt = {"kind": "cuda", "arch": "sm_90a"}
-    configs = {tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True} if NO_SYNC_ATTR in main.attrs else {}
-    with tilelang.tvm.transform.PassContext(config=configs), tilelang.tvm.target.Target(tgt):
+    with tilelang.tvm.transform.PassContext(config=cuda_pass_configs(main)), tilelang.tvm.target.Target(tgt):
         return tilelang.lower(main, target=tgt).kernel_source
 
 
@@ -259,11 +259,7 @@ def test_cuda_ws_variants_lower_for_sm90(monkeypatch):
 
 def test_cuda_post_collapse_lowers_for_sm90():
     """The flat post_collapse kernel: 16-byte loads and stores, no shared memory, no barrier."""
-    import tilelang
-    ((_, main),) = K.mhc_prim_funcs("post_collapse", "bfloat16", 4, 5120, *HC.values(), "cuda")
-    tgt = {"kind": "cuda", "arch": "sm_90a"}
-    with tilelang.tvm.target.Target(tgt):
-        src = tilelang.lower(main, target=tgt).kernel_source
+    src = _sm90_source("post_collapse", "bfloat16")
     assert "*(uint4*)(xl" in src and "*(uint4*)(HN" in src and "*(uint4*)(X" in src
     assert "__shared__" not in src and "__syncthreads" not in src and "fma" not in src
 
@@ -308,7 +304,7 @@ def test_cuda_splits():
             k = K.cuda_splits(5120, n, ws)
             assert chunks % k == 0 and k * K._NPAD * 4 <= 0.03 * (2 * 4 + 2) * 5120 * 2
     # the warp-specialised kernel, one CTA per SM: one wave at T = 1, every SM busy at T = 4096
-    assert K.cuda_splits(5120, 1, ws=True) * 1 <= 132 and K.cuda_splits(5120, 4096, ws=True) * 64 == 128
+    assert K.cuda_splits(5120, 1, ws=True) <= 132 and K.cuda_splits(5120, 4096, ws=True) * 64 == 128
 
 
 @pytest.mark.gpu

@@ -572,10 +572,15 @@ def compile_for(fn, target: str):
         return tilelang.compile(fn, target="c")
     arch = target.partition(":")[2]
     tgt = {"kind": "cuda", "arch": arch} if arch else "cuda"
+    return tilelang.compile(fn, target=tgt, pass_configs=cuda_pass_configs(fn))
+
+
+def cuda_pass_configs(fn) -> dict:
+    """TileLang pass configs of a CUDA build of `fn` (compile_for's; also for lowering to source)."""
     configs = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: False}
     if fn.attrs is not None and NO_SYNC_ATTR in fn.attrs:  # the kernel places all its barriers itself
         configs[tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC] = True
-    return tilelang.compile(fn, target=tgt, pass_configs=configs)
+    return configs
 
 
 def build_many(keys) -> None:
