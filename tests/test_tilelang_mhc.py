@@ -246,14 +246,13 @@ def test_cuda_build_lowers_for_sm90():
 
 
 def test_cuda_ws_variants_lower_for_sm90(monkeypatch):
-    """The warp-specialised kernel's untried variants build: `_WS_ONE_GEMM` (fn's three pieces side
-    by side, one wgmma of N = 96 per k step instead of three of N = 32) with fn in four parts, and
-    three h_new buffers (`_WS_AS_BUFFERS`).  Neither has run on a GPU yet."""
-    monkeypatch.setattr(K, "_WS_ONE_GEMM", 1)
+    """The warp-specialised kernel's other tuning values build (so `benchmarks/mhc.py --set` can time
+    them): fn's chunk in four parts and three h_new buffers (`_WS_AS_BUFFERS`, 224 KB of shared
+    memory; measured no faster than two on an H200, BENCHMARKS.md)."""
     monkeypatch.setattr(K, "_WS_FN_PARTS", 4)
     monkeypatch.setattr(K, "_WS_AS_BUFFERS", 3)
     src = _sm90_source("post_pre", "bfloat16")
-    assert "64, 96, 16, false" in src and "64, 32, 16, false" not in src
+    assert src.count("64, 32, 16, false") >= 3
     assert "aempty_mem[3]" in src and "afull_mem[3]" in src
 
 

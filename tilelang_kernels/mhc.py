@@ -101,8 +101,6 @@ _CTAS_PER_SM = 2  # CUDA: resident mixes CTAs per H200 SM (shared memory: 86 KB 
 _WS_STREAM_GROUPS = 4  # CUDA warp-specialised mixing kernel: warpgroups forming the streams
 _WS_FN_PARTS = 2  # CUDA warp-specialised mixing kernel: fn's chunk loaded and split in this many parts
 _WS_AS_BUFFERS = 2  # CUDA warp-specialised mixing kernel: buffers of the staged h_new (the GEMM's A)
-_WS_ONE_GEMM = 0  # CUDA warp-specialised mixing kernel: 1 = fn's pieces side by side, one GEMM of N = 96
-#                   per chunk instead of three of N = 32 (not yet run on a GPU; 0 is the measured kernel)
 _WS_SMEM = 200 * 1024  # CUDA warp-specialised mixing kernel (bf16 streams): its shared memory budget
 _WS_DC = 64  # CUDA warp-specialised mixing kernel: columns of each stream per chunk
 
@@ -640,10 +638,7 @@ def _fn_macros(m, D, dc=DC, parts=1):
                         bl[p, e] = piece
                 for p in [0, 1, 2]:
                     for e in T.vectorized(4):
-                        if isinstance(Bs, list):
-                            Bs[p][q // (kc // 4), (q % (kc // 4)) * 4 + e] = bl[p, e]
-                        else:  # the pieces stacked along N
-                            Bs[p * _NPAD + q // (kc // 4), (q % (kc // 4)) * 4 + e] = bl[p, e]
+                        Bs[p][q // (kc // 4), (q % (kc // 4)) * 4 + e] = bl[p, e]
 
     return FU, load_fn, split_fn
 
@@ -829,9 +824,10 @@ def _cuda_ws_prim_func(kind, m, D):
       to its fp32 total with IEEE adds.
     - the others (the streams): tpt threads per token; thread tx owns columns g + 8 tpt u (8 each)
       of token tx // tpt in every chunk, g = tx % tpt * 8.  It reads them from the ring (and
-      releases the stage at once), forms h_new and x in the reference's operation order, stores
-      both straight to global memory, adds h_new^2 to its sum of squares, and stages h_new as the
-      GEMM operand in `_WS_AS_BUFFERS` buffers.
+      releases the stage at once), forms h_new and x in the reference's operation order, adds
+      h_new^2 to its sum of squares, stages h_new as the GEMM operand in `_WS_AS_BUFFERS` buffers,
+      and then stores h_new and x straight to global memory (after the hand-off, so that the
+      fence before it does not wait for these stores).
     Partial dot products and sums of squares go to the workspace [K, T, 32] for the finalize
     kernel, as in `_cuda_mixes_prim_func`."""
     expand = kind == "post_pre"
@@ -854,7 +850,6 @@ def _cuda_ws_prim_func(kind, m, D):
     NA = _WS_AS_BUFFERS  # GEMM operand (h_new) buffers
     NS = ws_stages(m, dc)
     FP = _WS_FN_PARTS  # fn's chunk in parts: fewer registers in the producer group
-    one_gemm = bool(_WS_ONE_GEMM)
     FU, load_fn, split_fn = _fn_macros(m, D, dc, FP)
     mul, add = _arith(True)
 
@@ -874,20 +869,14 @@ def _cuda_ws_prim_func(kind, m, D):
             Sr = T.alloc_shared((NS, TB, m, dc), dtype)
             Sy = T.alloc_shared((NS, TB, dc), dtype)
             As = T.alloc_shared((NA, TB, kc), "bfloat16")
-            if one_gemm:  # fn's three pieces side by side: one GEMM of N = 3 x 32 reads As once
-                Bs = T.alloc_shared((3 * _NPAD, kc), "bfloat16")
-                Cc = T.alloc_fragment((TB, 3 * _NPAD), "float32")
-                Ct = T.alloc_fragment((TB, _NPAD), "float32")
-            else:
-                Bs = [T.alloc_shared((_NPAD, kc), "bfloat16") for _ in range(3)]
-                Cc = T.alloc_fragment((TB, _NPAD), "float32")
+            Bs = [T.alloc_shared((_NPAD, kc), "bfloat16") for _ in range(3)]
+            Cc = T.alloc_fragment((TB, _NPAD), "float32")
             Cf = T.alloc_fragment((TB, _NPAD), "float32")
             fl = T.alloc_local((FU, 4), "float32")
             bl = T.alloc_local((3, 4), "bfloat16")
             co = T.alloc_local((ncf,), "float32")
             xl = T.alloc_local((U, len(rows), vec), dtype)
-            ol = T.alloc_local((U, m, vec), dtype)
-            xo = T.alloc_local((U, vec), dtype)
+            ol = T.alloc_local((U, m + 1, vec), dtype)  # h_new's m rows, then x
             hv = T.alloc_local((m,), "float32")
             sq = T.alloc_var("float32")
             full = T.alloc_barrier([_MIX_THREADS] * NS)  # stage loaded (the producers arrive)
@@ -902,12 +891,7 @@ def _cuda_ws_prim_func(kind, m, D):
                 for q in T.serial(-(-(_NPAD - mix) * kc // _MIX_THREADS)):  # zero fn rows mix.._NPAD
                     if q * _MIX_THREADS + gx < (_NPAD - mix) * kc:
                         for p in [0, 1, 2]:
-                            if one_gemm:
-                                Bs[p * _NPAD + mix + (q * _MIX_THREADS + gx) // kc,
-                                   (q * _MIX_THREADS + gx) % kc] = T.bfloat16(0)
-                            else:
-                                Bs[p][mix + (q * _MIX_THREADS + gx) // kc,
-                                      (q * _MIX_THREADS + gx) % kc] = T.bfloat16(0)
+                            Bs[p][mix + (q * _MIX_THREADS + gx) // kc, (q * _MIX_THREADS + gx) % kc] = T.bfloat16(0)
                 T.clear(Cf)
                 load_fn(B, fl, gx, bk * dc, 0)
                 for ch in T.serial(nch):
@@ -924,23 +908,12 @@ def _cuda_ws_prim_func(kind, m, D):
                     T.sync_threads(1, _MIX_THREADS)  # Bs written by the whole group
                     T.mbarrier_wait_parity(afull[ch % NA], ch // NA % 2)
                     T.clear(Cc)
-                    if one_gemm:
-                        T.gemm(As[ch % NA, :, :], Bs, Cc, transpose_B=True)
-                    else:
-                        for b in [2, 1, 0]:  # the small cross terms first
-                            T.gemm(As[ch % NA, :, :], Bs[b], Cc, transpose_B=True)
+                    for b in [2, 1, 0]:  # the small cross terms first
+                        T.gemm(As[ch % NA, :, :], Bs[b], Cc, transpose_B=True)
                     T.mbarrier_arrive(aempty[ch % NA])
                     T.sync_threads(1, _MIX_THREADS)  # every warp's GEMM is done with Bs
-                    if one_gemm:  # the pieces' products, small ones first (one Cc column block a loop)
-                        for i, j in T.Parallel(TB, _NPAD):
-                            Ct[i, j] = Cc[i, j + 2 * _NPAD]
-                        for i, j in T.Parallel(TB, _NPAD):
-                            Ct[i, j] = Ct[i, j] + Cc[i, j + _NPAD]
-                        for i, j in T.Parallel(TB, _NPAD):
-                            Cf[i, j] = Cf[i, j] + (Ct[i, j] + Cc[i, j])
-                    else:
-                        for i, j in T.Parallel(TB, _NPAD):
-                            Cf[i, j] = Cf[i, j] + Cc[i, j]
+                    for i, j in T.Parallel(TB, _NPAD):
+                        Cf[i, j] = Cf[i, j] + Cc[i, j]
                 for i, j in T.Parallel(TB, _NPAD):
                     if bt * TB + i < N and j < mix:
                         B["WS"][bk, bt * TB + i, j] = Cf[i, j]
@@ -981,17 +954,12 @@ def _cuda_ws_prim_func(kind, m, D):
                             else:
                                 for j in rows:
                                     hv[j] = T.Cast("float32", xl[u, j, e])
-                            xo[u, e] = T.Cast(dtype, _collapse_expr(
+                            ol[u, m, e] = T.Cast(dtype, _collapse_expr(
                                 m, lambda pd_j: co[ncf - m + pd_j], hv, mul, add))
                             for j in T.unroll(m):
                                 sq = sq + hv[j] * hv[j]
-                        if t < N:
-                            for e in T.vectorized(vec):
-                                B["X"][t, c0 + u * vec * tpt + e] = xo[u, e]
-                            if expand:
-                                for j in T.unroll(m):
-                                    for e in T.vectorized(vec):
-                                        B["HN"][t, j, c0 + u * vec * tpt + e] = ol[u, j, e]
+                    # the GEMM operand first: the fence and the arrive then order only these shared
+                    # stores, not the global ones below
                     T.mbarrier_wait_parity(aempty[ch % NA], ch // NA % 2 ^ 1)
                     for u in T.unroll(U):
                         for j in T.unroll(m):
@@ -999,6 +967,14 @@ def _cuda_ws_prim_func(kind, m, D):
                                 As[ch % NA, r, j * dc + u * vec * tpt + g + e] = ol[u, j, e] if expand else xl[u, j, e]
                     T.fence_proxy_async()
                     T.mbarrier_arrive(afull[ch % NA])
+                    if t < N:
+                        for u in T.unroll(U):
+                            for e in T.vectorized(vec):
+                                B["X"][t, c0 + u * vec * tpt + e] = ol[u, m, e]
+                            if expand:
+                                for j in T.unroll(m):
+                                    for e in T.vectorized(vec):
+                                        B["HN"][t, j, c0 + u * vec * tpt + e] = ol[u, j, e]
                 for k in T.unroll(tpt.bit_length() - 1):  # the tpt lanes of one token
                     sq = sq + T.shfl_xor(sq, 1 << k)
                 if t < N and tx % tpt == 0:
