@@ -256,6 +256,19 @@ def test_cuda_ws_variants_lower_for_sm90(monkeypatch):
     assert "aempty_mem[3]" in src and "afull_mem[3]" in src
 
 
+def test_cuda_column_resident_lowers_for_sm90(monkeypatch):
+    """The column-resident kernel (off by default, `_CR_ON`): fn's slice split into shared memory
+    once, the streams read and written as 16-byte vectors straight from registers, and the mixes
+    GEMM as register-operand mma.sync (3 pieces x 3 n8 tiles x m streams x 2 k steps per 32
+    columns), for both mixing kinds."""
+    monkeypatch.setattr(K, "_CR_ON", 1)
+    for kind in ("pre", "post_pre"):
+        assert K.column_resident(kind, "bfloat16", 5120) and not K.column_resident(kind, "float32", 5120)
+        src = _sm90_source(kind, "bfloat16")
+        assert src.count("tl::mma_sync<") == 3 and "tma_load" not in src and "wgmma" not in src
+        assert "*(uint4*)(X" in src and ("*(uint4*)(HN" in src) == (kind == "post_pre")
+
+
 def test_cuda_post_collapse_lowers_for_sm90():
     """The flat post_collapse kernel: 16-byte loads and stores, no shared memory, no barrier."""
     src = _sm90_source("post_collapse", "bfloat16")
@@ -272,6 +285,22 @@ def test_cuda_post_collapse_lowers_for_sm90():
 @pytest.mark.parametrize("kind", K.KINDS)
 def test_cuda_kernels_match_refs(kind, dtype, n):
     check(kind, dtype, n, 5120, "cuda")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("kind", ("pre", "post_pre"))
+def test_cuda_column_resident_matches_refs(kind, monkeypatch):
+    """The column-resident kernel (off by default) against the refs: bf16 streams, D = 5120 (20
+    column groups) and 512 (2), T in TOKENS and 4099 (a last 16-token block of 3)."""
+    monkeypatch.setattr(K, "_CR_ON", 1)
+    K.build.cache_clear()  # builds are cached per op key, which does not name the kernel
+    try:
+        for d in (5120, 512):
+            for n in (*TOKENS, 4099):
+                check(kind, torch.bfloat16, n, d, "cuda")
+    finally:
+        K.build.cache_clear()
 
 
 @pytest.mark.gpu
