@@ -35,11 +35,15 @@ CUDA (sm_90a: wgmma needs the arch-specific target).
      (`_cuda_ws_prim_func`: a TMA ring, streaming warpgroups and a producer/GEMM warpgroup that
      meet only at mbarriers; the mixes GEMM as below); 56% / 61% of the bound at T = 4096 / 65536
      on an H200, where this staged kernel reaches 48% / 51% (BENCHMARKS.md).  (A third design, the
-     column-resident kernel `_cuda_colres_prim_func`, is built and tested but off by default
-     (`_CR_ON`): each CTA keeps fn's slice for 256 columns in shared memory for every token it sees,
-     and the streams go global -> registers -> global with the mixes GEMM as register-operand
-     mma.sync.  It measured 58% for post_pre and 56% for pre at T = 65536, against 61% and 49%,
-     and less at T <= 4096: BENCHMARKS.md.)  Otherwise the staged
+     column-resident kernel `_cuda_colres_prim_func`, is off by default (`_CR_ON`): each CTA keeps
+     fn's slice for 256 columns in shared memory for every token it sees, and the streams go
+     global -> registers -> global with the mixes GEMM as register-operand mma.sync.  Its first
+     version, each warp walking the 256 columns alone, was exact on an H200 and measured 58% for
+     post_pre and 56% for pre at T = 65536, against 61% and 49%, and less at T <= 4096
+     (BENCHMARKS.md).  The current version puts the CTA's 8 warps side by side on one 16-token
+     block (256 contiguous columns of each row at once, like the flat kernel's wide rows) and
+     loads the next block while computing this one; it builds (244 registers, no spills) but has
+     not run on a GPU yet.)  Otherwise the staged
      kernel: grid (K splits of D, token tiles of TB=64), 128 threads (one warpgroup).  The split is
      blockIdx.x, so a tile's K CTAs are resident together, and CTA k takes the chunks of DC=32
      columns k, k + K, k + 2K, ...: together they read K adjacent 64-byte pieces of each row (with
@@ -108,11 +112,11 @@ _WS_FN_PARTS = 2  # CUDA warp-specialised mixing kernel: fn's chunk loaded and s
 _WS_AS_BUFFERS = 2  # CUDA warp-specialised mixing kernel: buffers of the staged h_new (the GEMM's A)
 _WS_SMEM = 200 * 1024  # CUDA warp-specialised mixing kernel (bf16 streams): its shared memory budget
 _WS_DC = 64  # CUDA warp-specialised mixing kernel: columns of each stream per chunk
-_CR_W = 256  # CUDA column-resident mixing kernel: columns of each stream per CTA (fn's slice stays in shared memory)
-_CR_WARPS = 12  # CUDA column-resident mixing kernel: warps per CTA (168 registers, no spills)
-_CR_WAVES = 5  # CUDA column-resident mixing kernel: at most this many waves of CTAs (at one per SM)
+_CR_W = 256  # CUDA column-resident mixing kernel: columns of each stream per CTA (fn's slice stays in
+#               shared memory), one warp per 32
+_CR_WAVES = 2  # CUDA column-resident mixing kernel: at most this many waves of CTAs (at one per SM)
 _SMS = 132  # H200 SMs
-_CR_ON = 0  # 1: bf16 pre/post_pre run the column-resident kernel (off: slower for post_pre on an H200, BENCHMARKS.md)
+_CR_ON = 0  # 1: bf16 pre/post_pre run the column-resident kernel (off: see the module docstring)
 
 
 def warp_specialised(kind: str, dtype: str, D: int) -> bool:
@@ -1011,58 +1015,93 @@ def _cuda_colres_prim_func(kind, m, D):
     """The column-resident mixing kernel for bf16 streams (module docstring, CUDA step 1).
 
     Grid (G = D / W column groups, P token groups), W = `_CR_W` columns of every stream per CTA,
-    `_CR_WARPS` warps.  The CTA first splits fn's slice for its columns (mix x m x W, fp32) into
-    three bf16 pieces in shared memory, laid out in the order the warps read it; the slice then
-    serves every token the CTA sees, so fn is read once per CTA rather than once per 64 tokens.
-    Each warp takes blocks of 16 tokens (blocks w + NW (py + P i)) and walks the group's columns in
-    sub-blocks of 32; lane (g, c) = (lane // 4, lane % 4) owns columns 8c..8c+7 of tokens g and
-    g + 8 of the block, which it reads and writes as 16-byte vectors straight from and to global
-    memory (no shared memory on the stream path), forming h_new and x in the reference's order.
-    Those registers are also the A operand of `mma.sync.m16n8k16`: the lane's A fragment holds
-    k = 2c, 2c+1, 2c+8, 2c+9 of rows g and g+8, and the GEMM's sum over k does not depend on which
-    column each k stands for, so columns 8c+4s..8c+4s+3 serve as step s's k slots (s = 0, 1), and
-    fn's pieces are laid out with the same assignment (the B fragment of lane (g, c): row n = g of
-    the n8 tile, the same columns).  Per sub-block the products of the lo, mid and hi pieces
-    accumulate from zero on the tensor cores and are then added to the block's fp32 total with
-    IEEE adds, as in the other mixing kernels.  At the end of a block the lanes write the group's
-    partial dot products and sums of squares to the workspace [G, T, 32] for the finalize kernel."""
+    one warp per 32 of them.  The CTA first splits fn's slice for its columns (mix x m x W, fp32)
+    into three bf16 pieces in shared memory, laid out in the order the warps read it; the slice
+    then serves every token the CTA sees, so fn is read once per CTA rather than once per 64
+    tokens.  The CTA takes blocks of 16 tokens (bp, bp + P, ...), all its warps on the same block
+    at once, side by side along the row (W contiguous columns of each row between them).  Lane
+    (g, c) = (lane // 4, lane % 4) of warp q owns columns 32q + 8c..+7 of tokens g and g + 8, which
+    it reads and writes as 16-byte vectors straight from and to global memory (no shared memory on
+    the stream path), forming h_new and x in the reference's order; the next block's streams and
+    coefficients are loaded while this one is computed.  The lane's registers are also the A
+    operand of `mma.sync.m16n8k16`: the A fragment holds k = 2c, 2c+1, 2c+8, 2c+9 of rows g and
+    g+8, and the GEMM's sum over k does not depend on which column each k stands for, so columns
+    8c+4s..8c+4s+3 serve as step s's k slots (s = 0, 1), and fn's pieces are laid out with the same
+    assignment (the B fragment of lane (g, c): row n = g of the n8 tile, the same columns).  The
+    products of the lo, mid and hi pieces accumulate from zero on the tensor cores; the warps'
+    totals are then added in warp order with IEEE adds (through shared memory), as the other
+    mixing kernels add their chunks, and written with the sums of squares to the workspace
+    [G, T, 32] for the finalize kernel."""
     expand = kind == "post_pre"
     dtype = "bfloat16"
     names = _PARAMS[kind, "main"]
-    W, NW = _CR_W, _CR_WARPS
+    W = _CR_W
+    NW = W // 32  # warps: one per 32 columns
     G = D // W
     S, N = _buffers(names, dtype, m, D, G)
     mix = 2 * m + m * m
     NT = -(-mix // 8)  # n8 tiles of the mixes
-    Q = W // 32  # sub-blocks of 32 columns
     ncf = (m + m * m if expand else 0) + m  # per-token coefficients: post, comb, pre_delayed
     rows = list(range(m + 1 if expand else m))
     src = "RES" if expand else "H"
     pmax = max(1, _CR_WAVES * _SMS // G)
     nfv = NT * 8 * m * W // 4  # float4 vectors of fn's slice
+    nth = 32 * NW
     assert W % 32 == 0 and D % W == 0
     mul, add = _arith(True)
 
     @T.macro
+    def load_streams(B, xs, blk, c0, g):
+        """The lane's 16-byte pieces of block blk (rows g, g + 8; zeros past N) into xs."""
+        for r in T.unroll(2):
+            t = blk * 16 + g + 8 * r
+            if t < N:
+                for j in rows:
+                    for e in T.vectorized(8):
+                        xs[r, j, e] = B["Y"][t, c0 + e] if j == m else B[src][t, j, c0 + e]
+            else:
+                for j in rows:
+                    for e in T.unroll(8):
+                        xs[r, j, e] = T.bfloat16(0)
+
+    @T.macro
+    def load_coefs(B, Cos, buf, blk, tx):
+        """Block blk's per-token coefficients into Cos[buf] (zeros past N), by the whole CTA."""
+        for v in T.unroll(-(-16 * ncf // nth)):
+            if v * nth + tx < 16 * ncf:
+                k = (v * nth + tx) % ncf
+                t = blk * 16 + (v * nth + tx) // ncf
+                if expand:
+                    Cos[buf, (v * nth + tx) // ncf, k] = T.if_then_else(
+                        t < N, T.if_then_else(
+                            k < m, B["PIN"][T.min(t, N - 1), T.min(k, m - 1)], T.if_then_else(
+                                k < m + m * m, B["CIN"][T.min(t, N - 1), T.max(k - m, 0) // m % m, T.max(k - m, 0) % m],
+                                B["PD"][T.min(t, N - 1), T.max(k - m - m * m, 0) % m])), T.float32(0))
+                else:
+                    Cos[buf, (v * nth + tx) // ncf, k] = T.if_then_else(t < N, B["PD"][T.min(t, N - 1), k], T.float32(0))
+
+    @T.macro
     def body(B):
-        with T.Kernel(G, T.min(T.ceildiv(N, 16 * NW), pmax), threads=32 * NW) as (bg, bp):
+        with T.Kernel(G, T.min(T.ceildiv(N, 16), pmax), threads=nth) as (bg, bp):
             tx = T.get_thread_binding()
-            Fs = T.alloc_shared((3, NT, m, Q, 32, 8), "bfloat16")
+            Fs = T.alloc_shared((3, NT, m, NW, 32, 8), "bfloat16")
+            Cos = T.alloc_shared((2, 16, ncf), "float32")
+            Red = T.alloc_shared((NW, 16, NT * 8 + 1), "float32")
             fv = T.alloc_local((4,), "float32")
             pl = T.alloc_local((3, 4), "bfloat16")
-            co = T.alloc_local((2, ncf), "float32")
             xl = T.alloc_local((2, len(rows), 8), dtype)
+            xn = T.alloc_local((2, len(rows), 8), dtype)
             ol = T.alloc_local((2, m + 1, 8), dtype)  # h_new's m rows, then x
             hv = T.alloc_local((m,), "float32")
             sq = T.alloc_local((2,), "float32")
             af = T.alloc_local((8,), "bfloat16")
             bf = T.alloc_local((8,), "bfloat16")
             Cc = T.alloc_local((NT * 4,), "float32")
-            Ct = T.alloc_local((NT * 4,), "float32")
+            acc = T.alloc_var("float32")
             # fn's slice -> three bf16 pieces, at [piece, n // 8, stream, column // 32, lane, column % 8]
             # with lane = (n % 8) * 4 + column % 32 // 8
-            for it in T.unroll(-(-nfv // (32 * NW))):  # unrolled: the loads go out together
-                v = it * 32 * NW + tx
+            for it in T.unroll(-(-nfv // nth)):  # unrolled: the loads go out together
+                v = it * nth + tx
                 if v < nfv:
                     n = v // (m * W // 4)
                     j = v // (W // 4) % m
@@ -1076,93 +1115,84 @@ def _cuda_colres_prim_func(kind, m, D):
                     for pc in [0, 1, 2]:
                         for e in T.vectorized(4):
                             Fs[pc, n // 8, j, col // 32, n % 8 * 4 + col % 32 // 8, col % 8 + e] = pl[pc, e]
-            wp = tx // 32
+            q = tx // 32  # the warp's 32 columns
             lane = tx % 32
             g = lane // 4
             c = lane % 4
-            nblk = T.ceildiv(N, 16)
-            for it in T.serial(T.ceildiv(nblk, NW * T.min(T.ceildiv(N, 16 * NW), pmax))):
-                blk = (it * T.min(T.ceildiv(N, 16 * NW), pmax) + bp) * NW + wp
-                if blk < nblk:
-                    for r in T.unroll(2):
-                        t = blk * 16 + g + 8 * r
-                        sq[r] = T.float32(0)
-                        for k in T.unroll(ncf):
-                            co[r, k] = T.float32(0)
-                        if t < N:
-                            if expand:
-                                for j in T.unroll(m):
-                                    co[r, j] = B["PIN"][t, j]
-                                    for i in T.unroll(m):
-                                        co[r, m + i * m + j] = B["CIN"][t, i, j]
+            c0 = bg * W + q * 32 + c * 8
+            P = T.min(T.ceildiv(N, 16), pmax)
+            nb = T.ceildiv(T.ceildiv(N, 16) - bp, P)  # this CTA's blocks
+            load_coefs(B, Cos, 0, bp, tx)
+            load_streams(B, xn, bp, c0, g)
+            for i in T.serial(nb):
+                blk = bp + i * P
+                for r in T.unroll(2):
+                    for j in rows:
+                        for e in T.unroll(8):
+                            xl[r, j, e] = xn[r, j, e]
+                T.sync_threads()  # Cos[i % 2] loaded; Red read by the previous block's sums
+                if i + 1 < nb:  # the next block travels while this one is computed
+                    load_coefs(B, Cos, (i + 1) % 2, blk + P, tx)
+                    load_streams(B, xn, blk + P, c0, g)
+                for r in T.unroll(2):
+                    sq[r] = T.float32(0)
+                    for e in T.unroll(8):
+                        if expand:
+                            for j, hj in enumerate(_expand_exprs(
+                                    m, lambda coef: Cos[i % 2, g + 8 * r, coef],  # noqa: B023
+                                    lambda src_row: T.Cast("float32", xl[r, src_row, e]),  # noqa: B023
+                                    mul, add)):
+                                ol[r, j, e] = T.Cast(dtype, hj)
+                                hv[j] = T.Cast("float32", ol[r, j, e])
+                        else:
+                            for j in rows:
+                                ol[r, j, e] = xl[r, j, e]
+                                hv[j] = T.Cast("float32", xl[r, j, e])
+                        ol[r, m, e] = T.Cast(dtype, _collapse_expr(
+                            m, lambda pd_j: Cos[i % 2, g + 8 * r, ncf - m + pd_j], hv, mul, add))  # noqa: B023
+                        for j in T.unroll(m):
+                            sq[r] = sq[r] + hv[j] * hv[j]
+                for r in T.unroll(2):
+                    t = blk * 16 + g + 8 * r
+                    if t < N:
+                        for e in T.vectorized(8):
+                            B["X"][t, c0 + e] = ol[r, m, e]
+                        if expand:
                             for j in T.unroll(m):
-                                co[r, ncf - m + j] = B["PD"][t, j]
-                    for k in T.unroll(NT * 4):
-                        Ct[k] = T.float32(0)
-                    for q in T.serial(Q):
-                        c0 = bg * W + q * 32 + c * 8
-                        for r in T.unroll(2):
-                            t = blk * 16 + g + 8 * r
-                            if t < N:
-                                for j in rows:
-                                    for e in T.vectorized(8):
-                                        xl[r, j, e] = B["Y"][t, c0 + e] if j == m else B[src][t, j, c0 + e]
-                            else:
-                                for j in rows:
-                                    for e in T.unroll(8):
-                                        xl[r, j, e] = T.bfloat16(0)
-                        for r in T.unroll(2):
-                            for e in T.unroll(8):
-                                if expand:
-                                    for j, hj in enumerate(_expand_exprs(
-                                            m, lambda coef: co[r, coef],  # noqa: B023
-                                            lambda src_row: T.Cast("float32", xl[r, src_row, e]),  # noqa: B023
-                                            mul, add)):
-                                        ol[r, j, e] = T.Cast(dtype, hj)
-                                        hv[j] = T.Cast("float32", ol[r, j, e])
-                                else:
-                                    for j in rows:
-                                        ol[r, j, e] = xl[r, j, e]
-                                        hv[j] = T.Cast("float32", xl[r, j, e])
-                                ol[r, m, e] = T.Cast(dtype, _collapse_expr(
-                                    m, lambda pd_j: co[r, ncf - m + pd_j], hv, mul, add))  # noqa: B023
-                                for j in T.unroll(m):
-                                    sq[r] = sq[r] + hv[j] * hv[j]
-                        for r in T.unroll(2):
-                            t = blk * 16 + g + 8 * r
-                            if t < N:
                                 for e in T.vectorized(8):
-                                    B["X"][t, c0 + e] = ol[r, m, e]
-                                if expand:
-                                    for j in T.unroll(m):
-                                        for e in T.vectorized(8):
-                                            B["HN"][t, j, c0 + e] = ol[r, j, e]
-                        for k in T.unroll(NT * 4):
-                            Cc[k] = T.float32(0)
-                        for pc in [2, 1, 0]:  # the small cross terms first
-                            for j in T.unroll(m):
-                                for s in T.unroll(2):
-                                    for h in T.unroll(4):  # A: rows g, g+8 x columns 8c+4s + (0,1), then (2,3)
-                                        af[h * 2] = ol[h % 2, j, 4 * s + h // 2 * 2]
-                                        af[h * 2 + 1] = ol[h % 2, j, 4 * s + h // 2 * 2 + 1]
-                                    for tn in T.unroll(NT):
-                                        for e in T.vectorized(4):
-                                            bf[s * 4 + e] = Fs[pc, tn, j, q, lane, s * 4 + e]
-                                        T.ptx_mma("float32", "m16n8k16", "row", "col", "bf16", "bf16", "fp32",
-                                                  af.data, 0, bf.data, s * 4, Cc.data, tn * 4, T.bool(False))
-                        for k in T.unroll(NT * 4):
-                            Ct[k] = Ct[k] + Cc[k]
-                    for r in T.unroll(2):
-                        for o in [1, 2]:  # the sum of squares over the 4 lanes of a row
-                            sq[r] = sq[r] + T.shfl_xor(sq[r], o)
-                        t = blk * 16 + g + 8 * r
-                        if t < N:
+                                    B["HN"][t, j, c0 + e] = ol[r, j, e]
+                for k in T.unroll(NT * 4):
+                    Cc[k] = T.float32(0)
+                for pc in [2, 1, 0]:  # the small cross terms first
+                    for j in T.unroll(m):
+                        for s in T.unroll(2):
+                            for h in T.unroll(4):  # A: rows g, g+8 x columns 8c+4s + (0,1), then (2,3)
+                                af[h * 2] = ol[h % 2, j, 4 * s + h // 2 * 2]
+                                af[h * 2 + 1] = ol[h % 2, j, 4 * s + h // 2 * 2 + 1]
                             for tn in T.unroll(NT):
-                                for e in T.unroll(2):
-                                    if tn * 8 + c * 2 + e < mix:
-                                        B["WS"][bg, t, tn * 8 + c * 2 + e] = Ct[tn * 4 + r * 2 + e]
-                            if c == 0:
-                                B["WS"][bg, t, mix] = sq[r]
+                                for e in T.vectorized(4):
+                                    bf[s * 4 + e] = Fs[pc, tn, j, q, lane, s * 4 + e]
+                                T.ptx_mma("float32", "m16n8k16", "row", "col", "bf16", "bf16", "fp32",
+                                          af.data, 0, bf.data, s * 4, Cc.data, tn * 4, T.bool(False))
+                for r in T.unroll(2):
+                    for o in [1, 2]:  # the sum of squares over the 4 lanes of a row
+                        sq[r] = sq[r] + T.shfl_xor(sq[r], o)
+                    for tn in T.unroll(NT):
+                        for e in T.unroll(2):
+                            Red[q, g + 8 * r, tn * 8 + c * 2 + e] = Cc[tn * 4 + r * 2 + e]
+                    if c == 0:
+                        Red[q, g + 8 * r, NT * 8] = sq[r]
+                T.sync_threads()  # every warp's totals in Red
+                for v in T.unroll(-(-16 * (mix + 1) // nth)):  # the warps' totals, in warp order
+                    if v * nth + tx < 16 * (mix + 1):
+                        n = (v * nth + tx) % (mix + 1)
+                        t = blk * 16 + (v * nth + tx) // (mix + 1)
+                        if t < N:
+                            col = T.if_then_else(n < mix, n, NT * 8)
+                            acc = Red[0, (v * nth + tx) // (mix + 1), col]
+                            for w in T.serial(1, NW):
+                                acc = acc + Red[w, (v * nth + tx) // (mix + 1), col]
+                            B["WS"][bg, t, n] = acc
 
     return names, _prim_func(names, S, body)
 
