@@ -33,7 +33,7 @@ CUDA (sm_90a: wgmma needs the arch-specific target).
   pre, post_pre: two launches.
   1. `main`: for post_pre of bf16 streams (D a multiple of 64) the warp-specialised kernel
      (`_cuda_ws_prim_func`: a TMA ring, streaming warpgroups and a producer/GEMM warpgroup that
-     meet only at mbarriers; the mixes GEMM as below); 56% / 61% of the bound at T = 4096 / 65536
+     meet only at mbarriers; the mixes GEMM as below); 57% / 61-62% of the bound at T = 4096 / 65536
      on an H200, where this staged kernel reaches 48% / 51% (BENCHMARKS.md).  (A third design, the
      column-resident kernel `_cuda_colres_prim_func`, is off by default (`_CR_ON`): each CTA keeps
      fn's slice for 256 columns in shared memory for every token it sees, and the streams go
@@ -127,8 +127,8 @@ def warp_specialised(kind: str, dtype: str, D: int) -> bool:
 
 
 def column_resident(kind: str, dtype: str, D: int) -> bool:
-    """Whether a CUDA mixing op runs the column-resident kernel: bf16 streams whose width is a
-    multiple of its column group `_CR_W`."""
+    """Whether a CUDA mixing op runs the column-resident kernel: only with `_CR_ON` (off by default),
+    for bf16 streams whose width is a multiple of its column group `_CR_W`."""
     return bool(_CR_ON) and kind in ("pre", "post_pre") and dtype == "bfloat16" and D % _CR_W == 0
 
 
@@ -385,7 +385,7 @@ def build(kind: str, dtype: str, m: int, D: int, norm_eps: float, hc_eps: float,
 
 
 @functools.lru_cache(maxsize=1024)  # called per op call: the search over divisors costs ~10 us of host time
-def cuda_splits(D: int, n: int, ws: bool = False, sms: int = 132) -> int:
+def cuda_splits(D: int, n: int, ws: bool = False, sms: int = _SMS) -> int:
     """CTAs along D per token tile for T = n tokens: a divisor K of the chunks of D (of DC columns,
     `_WS_DC` for the warp-specialised kernel), with the workspace (K x 128 B per token) kept under
     ~3% of the stream traffic unless all the CTAs fit in one wave.
