@@ -213,60 +213,44 @@ def test_opcheck_cpu():
     opcheck_all("cpu")
 
 
-def _sm90_source(kind, dtype):
+def _sm90_source(kind, dtype, d=5120):
     """CUDA source of the sm_90a main kernel of `kind`, lowered with the build's pass configs."""
     import tilelang
     from dsv41c.tilelang_kernels.quant import cuda_pass_configs
-    (_, main), *_ = K.mhc_prim_funcs(kind, dtype, 4, 5120, *HC.values(), "cuda")
+    (_, main), *_ = K.mhc_prim_funcs(kind, dtype, 4, d, *HC.values(), "cuda")
     tgt = {"kind": "cuda", "arch": "sm_90a"}
     with tilelang.tvm.transform.PassContext(config=cuda_pass_configs(main)), tilelang.tvm.target.Target(tgt):
         return tilelang.lower(main, target=tgt).kernel_source
 
 
 def test_cuda_build_lowers_for_sm90():
-    """Without a GPU: the sm_90a post_pre builds lower; their CUDA source has the properties the
-    design relies on (wgmma mixes GEMM, 16-byte stream accesses, no FMA contraction in the
-    expand/collapse, warp-shuffle sum of squares).  fp32 streams: the staged kernel, multi-stage
-    cp.async into shared memory.  bf16 streams: the warp-specialised kernel, streams through TMA
-    into an mbarrier ring and no CTA-wide barrier after the barriers' set-up."""
-    for dtype in ("float32", "bfloat16"):
-        src = _sm90_source("post_pre", dtype)
+    """Without a GPU: the sm_90a staged kernel (fp32 streams, and bf16 streams whose width is not a
+    multiple of 256) lowers; its CUDA source has the properties the design relies on (wgmma mixes
+    GEMM, multi-stage cp.async into shared memory, 16-byte stream accesses, no FMA contraction in
+    the expand/collapse, warp-shuffle sum of squares)."""
+    for dtype, d in (("float32", 5120), ("bfloat16", 1056)):
+        assert not K.column_resident("post_pre", dtype, d)
+        src = _sm90_source("post_pre", dtype, d)
         assert "wgmma" in src and "__shfl_xor_sync" in src
         vec = "uint4" if dtype == "bfloat16" else "float4"
         assert f"*({vec}*)(HN" in src and f"*({vec}*)(X" in src
         assert "__fmul_rn" in src and "__fadd_rn" in src
         assert "fma" not in src  # no explicit fused multiply-add either
-        if dtype == "float32":
-            assert "*(float4*)(xl" in src
-            assert "cp_async_gs_conditional<16>" in src and f"cp_async_wait<{K._STAGES - 1}>" in src
-        else:
-            assert src.count("tl::tma_load(RES_desc") == 2 and src.count("tl::tma_load(Y_desc") == 2
-            assert src.count("__syncthreads()") == 1 and ".wait(" in src and ".arrive()" in src
-            assert "cp_async" not in src
+        assert "cp_async_gs_conditional<16>" in src and f"cp_async_wait<{K._STAGES - 1}>" in src
 
 
-def test_cuda_ws_variants_lower_for_sm90(monkeypatch):
-    """The warp-specialised kernel's other tuning values build (so `benchmarks/mhc.py --set` can time
-    them): fn's chunk in four parts and three h_new buffers (`_WS_AS_BUFFERS`, 224 KB of shared
-    memory; measured no faster than two on an H200, BENCHMARKS.md)."""
-    monkeypatch.setattr(K, "_WS_FN_PARTS", 4)
-    monkeypatch.setattr(K, "_WS_AS_BUFFERS", 3)
-    src = _sm90_source("post_pre", "bfloat16")
-    assert src.count("64, 32, 16, false") >= 3
-    assert "aempty_mem[3]" in src and "afull_mem[3]" in src
-
-
-def test_cuda_column_resident_lowers_for_sm90(monkeypatch):
-    """The column-resident kernel (off by default, `_CR_ON`): fn's slice split into shared memory
-    once, the streams read and written as 16-byte vectors straight from registers, and the mixes
+def test_cuda_column_resident_lowers_for_sm90():
+    """The column-resident kernel (bf16 streams, D a multiple of 256): fn's slice split into shared memory
+    once, the streams read and written as 16-byte vectors of bf16 pairs straight from registers, and the mixes
     GEMM as register-operand mma.sync (3 pieces x 3 n8 tiles x m streams x 2 k steps per 32
     columns), for both mixing kinds."""
-    monkeypatch.setattr(K, "_CR_ON", 1)
     for kind in ("pre", "post_pre"):
         assert K.column_resident(kind, "bfloat16", 5120) and not K.column_resident(kind, "float32", 5120)
         src = _sm90_source(kind, "bfloat16")
         assert src.count("tl::mma_sync<") == 3 and "tma_load" not in src and "wgmma" not in src
-        assert "*(uint4*)(X" in src and ("*(uint4*)(HN" in src) == (kind == "post_pre")
+        assert "*(uint4*)(((uint*)X)" in src and ("*(uint4*)(((uint*)HN)" in src) == (kind == "post_pre")
+        assert "cvt.rn.bf16x2.f32" in src  # two values rounded into one word of the stream
+        assert "__fmul_rn" in src and "__fadd_rn" in src and src.count("__syncthreads()") == 2
 
 
 def test_cuda_post_collapse_lowers_for_sm90():
@@ -290,17 +274,13 @@ def test_cuda_kernels_match_refs(kind, dtype, n):
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("kind", ("pre", "post_pre"))
-def test_cuda_column_resident_matches_refs(kind, monkeypatch):
-    """The column-resident kernel (off by default) against the refs: bf16 streams, D = 5120 (20
-    column groups) and 512 (2), T in TOKENS and 4099 (a last 16-token block of 3)."""
-    monkeypatch.setattr(K, "_CR_ON", 1)
-    K.build.cache_clear()  # builds are cached per op key, which does not name the kernel
-    try:
-        for d in (5120, 512):
-            for n in (*TOKENS, 4099):
-                check(kind, torch.bfloat16, n, d, "cuda")
-    finally:
-        K.build.cache_clear()
+def test_cuda_column_resident_matches_refs(kind):
+    """The column-resident kernel against the refs: bf16 streams, D = 5120 (20 column groups) and
+    512 (2), T in TOKENS and 4099 (a last 16-token block of 3)."""
+    for d in (5120, 512):
+        assert K.column_resident(kind, "bfloat16", d)
+        for n in (*TOKENS, 4099):
+            check(kind, torch.bfloat16, n, d, "cuda")
 
 
 @pytest.mark.gpu
@@ -328,11 +308,8 @@ def test_cuda_splits():
     chunks = 5120 // K.DC
     assert K.cuda_splits(5120, 1) == chunks and K.cuda_splits(5120, K.TB) == chunks
     for n in (4096, 65536):
-        for ws in (False, True):
-            k = K.cuda_splits(5120, n, ws)
-            assert chunks % k == 0 and k * K._NPAD * 4 <= 0.03 * (2 * 4 + 2) * 5120 * 2
-    # the warp-specialised kernel, one CTA per SM: one wave at T = 1, every SM busy at T = 4096
-    assert K.cuda_splits(5120, 1, ws=True) <= 132 and K.cuda_splits(5120, 4096, ws=True) * 64 == 128
+        k = K.cuda_splits(5120, n)
+        assert chunks % k == 0 and k * K._NPAD * 4 <= 0.03 * (2 * 4 + 2) * 5120 * 2
 
 
 @pytest.mark.gpu
@@ -349,10 +326,10 @@ def test_benchmark_tuning_overrides(monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     monkeypatch.delitem(sys.modules, "mhc", raising=False)
     import mhc as bench
-    for name in ("_WS_DC", "_WS_STREAM_GROUPS"):
+    for name in ("_CR_W", "_CR_WAVES"):
         monkeypatch.setattr(K, name, getattr(K, name))   # restored after the test
-    assert bench.tuning(["_WS_DC=32", "_WS_STREAM_GROUPS=2"]) == {"_WS_DC": 32, "_WS_STREAM_GROUPS": 2}
-    assert (K._WS_DC, K._WS_STREAM_GROUPS) == (32, 2)
-    for bad in ("_WS_DC", "nope=1", "_WS_DC=x", "warp_specialised=1"):
+    assert bench.tuning(["_CR_W=128", "_CR_WAVES=4"]) == {"_CR_W": 128, "_CR_WAVES": 4}
+    assert (K._CR_W, K._CR_WAVES) == (128, 4)
+    for bad in ("_CR_W", "nope=1", "_CR_W=x", "column_resident=1"):
         with pytest.raises(SystemExit, match="--set"):
             bench.tuning([bad])

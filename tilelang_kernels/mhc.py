@@ -107,36 +107,16 @@ _MIX_THREADS = 128  # CUDA mixing kernels: threads per CTA
 _NPAD = 32  # CUDA: GEMM N, the mix coefficients padded; column 24 (mix) of the workspace = sum of squares
 _STAGES = 2  # CUDA mixing kernels: chunks of streams in shared memory (the pipeline's depth)
 _CTAS_PER_SM = 2  # CUDA: resident mixes CTAs per H200 SM (shared memory: 86 KB each at 2 stages)
-_WS_STREAM_GROUPS = 4  # CUDA warp-specialised mixing kernel: warpgroups forming the streams
-_WS_FN_PARTS = 2  # CUDA warp-specialised mixing kernel: fn's chunk loaded and split in this many parts
-_WS_AS_BUFFERS = 2  # CUDA warp-specialised mixing kernel: buffers of the staged h_new (the GEMM's A)
-_WS_SMEM = 200 * 1024  # CUDA warp-specialised mixing kernel (bf16 streams): its shared memory budget
-_WS_DC = 64  # CUDA warp-specialised mixing kernel: columns of each stream per chunk
 _CR_W = 256  # CUDA column-resident mixing kernel: columns of each stream per CTA (fn's slice stays in
 #               shared memory), one warp per 32
 _CR_WAVES = 2  # CUDA column-resident mixing kernel: at most this many waves of CTAs (at one per SM)
 _SMS = 132  # H200 SMs
-_CR_ON = 0  # 1: bf16 pre/post_pre run the column-resident kernel (off: see the module docstring)
-
-
-def warp_specialised(kind: str, dtype: str, D: int) -> bool:
-    """Whether a CUDA mixing op runs the warp-specialised kernel rather than the staged one:
-    post_pre of bf16 streams whose width is a multiple of its chunk.  (pre measured slower with
-    it on an H200, 37-41% of the bound against the staged kernel's 44-49%: BENCHMARKS.md.)"""
-    return kind == "post_pre" and dtype == "bfloat16" and D % _WS_DC == 0
 
 
 def column_resident(kind: str, dtype: str, D: int) -> bool:
-    """Whether a CUDA mixing op runs the column-resident kernel: only with `_CR_ON` (off by default),
-    for bf16 streams whose width is a multiple of its column group `_CR_W`."""
-    return bool(_CR_ON) and kind in ("pre", "post_pre") and dtype == "bfloat16" and D % _CR_W == 0
-
-
-def ws_stages(m: int, dc: int) -> int:
-    """Chunks in flight in the warp-specialised kernel's TMA ring: as many as `_WS_SMEM` holds next
-    to the GEMM operands (h_new's `_WS_AS_BUFFERS` buffers, fn's three pieces), from 2 to 6."""
-    stage, fixed = TB * (m + 1) * dc * 2, _WS_AS_BUFFERS * TB * m * dc * 2 + 3 * _NPAD * m * dc * 2
-    return max(2, min(6, (_WS_SMEM - fixed) // stage))
+    """Whether a CUDA mixing op runs the column-resident kernel rather than the staged one: bf16
+    streams whose width is a multiple of its column group `_CR_W`."""
+    return kind in ("pre", "post_pre") and dtype == "bfloat16" and D % _CR_W == 0
 
 
 # ------------------------------------------------------------------------------------- refs
@@ -367,8 +347,6 @@ def mhc_prim_funcs(kind, dtype, m, D, norm_eps, hc_eps, iters, target):
         return [_cuda_stream_prim_func(dtype, m, D)]
     if column_resident(kind, dtype, D):
         main = _cuda_colres_prim_func(kind, m, D)
-    elif warp_specialised(kind, dtype, D):
-        main = _cuda_ws_prim_func(kind, m, D)
     else:
         main = _cuda_mixes_prim_func(kind, dtype, m, D)
     return [main,
@@ -385,21 +363,16 @@ def build(kind: str, dtype: str, m: int, D: int, norm_eps: float, hc_eps: float,
 
 
 @functools.lru_cache(maxsize=1024)  # called per op call: the search over divisors costs ~10 us of host time
-def cuda_splits(D: int, n: int, ws: bool = False, sms: int = _SMS) -> int:
-    """CTAs along D per token tile for T = n tokens: a divisor K of the chunks of D (of DC columns,
-    `_WS_DC` for the warp-specialised kernel), with the workspace (K x 128 B per token) kept under
-    ~3% of the stream traffic unless all the CTAs fit in one wave.
-    - the staged kernel (ws False, `_CTAS_PER_SM` per SM): K minimises waves x chunks per CTA,
-      preferring K >= 8 (the tile's CTAs then read at least 512 contiguous bytes of a row together);
-      at T = 1 every chunk gets its own CTA, and the latency is one chunk's.
-    - the warp-specialised kernel (one CTA per SM): K minimises waves x (chunks per CTA + 2, its
-      pipeline's fill and drain), preferring fewer, longer CTAs."""
-    chunks, tiles = D // (_WS_DC if ws else DC), -(-n // TB)
-    slots = sms if ws else _CTAS_PER_SM * sms
+def cuda_splits(D: int, n: int, sms: int = _SMS) -> int:
+    """CTAs along D per token tile of the staged kernel for T = n tokens: a divisor K of the chunks
+    of D (of DC columns), with the workspace (K x 128 B per token) kept under ~3% of the stream
+    traffic unless all the CTAs fit in one wave.  With `_CTAS_PER_SM` per SM, K minimises waves x
+    chunks per CTA, preferring K >= 8 (the tile's CTAs then read at least 512 contiguous bytes of a
+    row together); at T = 1 every chunk gets its own CTA, and the latency is one chunk's."""
+    chunks, tiles = D // DC, -(-n // TB)
+    slots = _CTAS_PER_SM * sms
     cap = max(1, (D * 2 * 10) * 3 // 100 // (_NPAD * 4))
     ks = [k for k in range(1, chunks + 1) if chunks % k == 0 and (k <= cap or tiles * k <= slots)]
-    if ws:
-        return min(ks, key=lambda k: (-(-tiles * k // slots) * (chunks // k + 2), k))
     return min(ks, key=lambda k: (-(-tiles * k // slots) * (chunks // k), k < 8, k))
 
 
@@ -459,7 +432,7 @@ def _launch(kind, bufs, n, m, d, dtype, eps):
         if column_resident(kind, _DTYPES[dtype], d):
             k = d // _CR_W
         else:
-            k = cuda_splits(d, n, warp_specialised(kind, _DTYPES[dtype], d))
+            k = cuda_splits(d, n)
         bufs["WS"] = bufs["X"].new_empty((k, n, _NPAD), dtype=torch.float32)
     args = {name: _kernel_arg(t, target) for name, t in bufs.items()}
     for names, kernel in build(kind, _DTYPES[dtype], m, d, *eps, target):
@@ -634,32 +607,32 @@ def _cuda_stream_prim_func(dtype, m, D):
     return names, _prim_func(names, S, body)
 
 
-def _fn_macros(m, D, dc=DC, parts=1):
-    """(FU, load_fn, split_fn) of the mixing kernels, for one warpgroup of _MIX_THREADS threads (tx
-    its thread index in the group): part `part` (of `parts`) of fn's chunk of dc columns at column
-    d0 of every stream as FU float4 vectors per thread into registers fl, then into the shared
-    GEMM operands Bs as three bf16 pieces (bl: scratch)."""
+def _fn_macros(m, D, dc=DC):
+    """(FU, load_fn, split_fn) of the staged mixing kernel, for one warpgroup of _MIX_THREADS threads
+    (tx its thread index in the group): fn's chunk of dc columns at column d0 of every stream as FU
+    float4 vectors per thread into registers fl, then into the shared GEMM operands Bs as three
+    bf16 pieces (bl: scratch)."""
     mix, kc = 2 * m + m * m, m * dc
     nfv = mix * kc // 4  # float4 vectors of fn per chunk
-    FU = -(-nfv // (_MIX_THREADS * parts))
+    FU = -(-nfv // _MIX_THREADS)
 
-    def vectors(tx, part):
-        """(register slot, vector index, whether it exists) of the part's vectors this thread handles."""
+    def vectors(tx):
+        """(register slot, vector index, whether it exists) of the vectors this thread handles."""
         for u in range(FU):
-            q = (part * FU + u) * _MIX_THREADS + tx
-            yield u, q, (parts * FU * _MIX_THREADS == nfv or q < nfv)
+            q = u * _MIX_THREADS + tx
+            yield u, q, (FU * _MIX_THREADS == nfv or q < nfv)
 
     @T.macro
-    def load_fn(B, fl, tx, d0, part):
-        for u, q, ok in vectors(tx, part):
+    def load_fn(B, fl, tx, d0):
+        for u, q, ok in vectors(tx):
             if ok:
                 for e in T.vectorized(4):
                     fl[u, e] = B["FN"][q // (kc // 4), (q % (kc // 4)) * 4 // dc * D + d0
                                        + (q % (kc // 4)) * 4 % dc + e]
 
     @T.macro
-    def split_fn(fl, bl, Bs, tx, part):
-        for u, q, ok in vectors(tx, part):
+    def split_fn(fl, bl, Bs, tx):
+        for u, q, ok in vectors(tx):
             if ok:
                 for e in T.unroll(4):
                     for p, piece in enumerate(_bf16_pieces(fl[u, e], 3)):
@@ -764,7 +737,7 @@ def _cuda_mixes_prim_func(kind, dtype, m, D):
                 if ch + _STAGES - 1 < nch:
                     issue_streams(B, St, (ch + _STAGES - 1) % _STAGES, bt, tx, d0 + (_STAGES - 1) * splits * DC)
                 T.ptx_commit_group()  # (empty near the end: the wait below stays uniform)
-                load_fn(B, fl, tx, d0, 0)
+                load_fn(B, fl, tx, d0)
                 T.ptx_wait_group(_STAGES - 1)  # this thread's copies of chunk ch have landed
                 T.sync_threads()  # and everyone's
                 for u in T.unroll(U):
@@ -811,7 +784,7 @@ def _cuda_mixes_prim_func(kind, dtype, m, D):
                                     As[p][it // ipr, j * DC + it % ipr * vec + e] = ol[j, e]
                                 else:
                                     As[p][it // ipr, j * DC + it % ipr * vec + e] = xl[u, j, e]
-                split_fn(fl, bl, Bs, tx, 0)  # (fn's loads had the stream compute to land)
+                split_fn(fl, bl, Bs, tx)  # (fn's loads had the stream compute to land)
                 T.sync_threads()
                 # Each chunk accumulates on its own and is added to the total in IEEE fp32: the
                 # tensor cores' accumulation does not round like fp32 adds, and its error would
@@ -839,176 +812,21 @@ def _cuda_mixes_prim_func(kind, dtype, m, D):
     return names, _prim_func(names, S, body)
 
 
-def _cuda_ws_prim_func(kind, m, D):
-    """The warp-specialised mixing kernel for bf16 streams (module docstring, CUDA step 1).
+_STREAMS = ("H", "Y", "RES", "HN", "X")
+# CUDA: two fp32 values rounded to nearest even into one word of two bf16 (lo in the low half)
+_PACK_BF16X2 = """
+__device__ __forceinline__ unsigned dsv41c_pack_bf16x2(float lo, float hi) {
+  unsigned r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+"""
 
-    Grid (K splits of D, token tiles of TB = 64); `_WS_STREAM_GROUPS` + 1 warpgroups with one duty
-    each, handing off through mbarriers, with no CTA-wide barrier after the set-up:
-    - the last warpgroup (the producer): one elected thread keeps `ws_stages` chunks of the streams
-      (and y) in flight with TMA into a shared ring (each chunk a [64, m, dc] box of the source and
-      a [64, dc] box of y, dc = `_WS_DC`; rows past N arrive as zeros); the whole group loads fn's
-      chunk in `_WS_FN_PARTS` parts, splits it into three bf16 pieces (`_fn_macros`) and runs the
-      chunk's mixes GEMM on the tensor cores once the streaming groups have staged h_new, adding it
-      to its fp32 total with IEEE adds.
-    - the others (the streams): tpt threads per token; thread tx owns columns g + 8 tpt u (8 each)
-      of token tx // tpt in every chunk, g = tx % tpt * 8.  It reads them from the ring (and
-      releases the stage at once), forms h_new and x in the reference's operation order, adds
-      h_new^2 to its sum of squares, stages h_new as the GEMM operand in `_WS_AS_BUFFERS` buffers,
-      and then stores h_new and x straight to global memory (after the hand-off, so that the
-      fence before it does not wait for these stores).
-    Partial dot products and sums of squares go to the workspace [K, T, 32] for the finalize
-    kernel, as in `_cuda_mixes_prim_func`."""
-    expand = kind == "post_pre"
-    dtype = "bfloat16"
-    names = _PARAMS[kind, "main"]
-    splits = T.dynamic("K")
-    S, N = _buffers(names, dtype, m, D, splits)
-    mix = 2 * m + m * m
-    dc = _WS_DC  # columns of each stream per chunk
-    nch = D // dc // splits  # chunks per CTA
-    kc = m * dc  # GEMM K per chunk
-    vec = 8
-    nst = _WS_STREAM_GROUPS * _MIX_THREADS  # streaming threads
-    tpt = nst // TB  # streaming threads per token of the tile
-    U = dc // (vec * tpt)  # items (8 columns) per thread and chunk: columns g, g + 8 tpt, ...
-    assert U * vec * tpt == dc and D % dc == 0
-    rows = list(range(m + 1 if expand else m))
-    ncf = (m + m * m if expand else 0) + m  # per-token coefficients: post, comb, pre_delayed
-    src = "RES" if expand else "H"
-    NA = _WS_AS_BUFFERS  # GEMM operand (h_new) buffers
-    NS = ws_stages(m, dc)
-    FP = _WS_FN_PARTS  # fn's chunk in parts: fewer registers in the producer group
-    FU, load_fn, split_fn = _fn_macros(m, D, dc, FP)
-    mul, add = _arith(True)
 
-    @T.macro
-    def issue(B, Sr, Sy, full, bt, bk, ch):
-        """TMA of chunk ch's streams (and y) into stage ch % NS, completing on full[ch % NS]."""
-        d0 = (ch * splits + bk) * dc
-        T.tma_copy(B[src][bt * TB:(bt + 1) * TB, 0:m, d0:d0 + dc], Sr[ch % NS, :, :, :], barrier=full[ch % NS])
-        if expand:
-            T.tma_copy(B["Y"][bt * TB:(bt + 1) * TB, d0:d0 + dc], Sy[ch % NS, :, :], barrier=full[ch % NS])
-        T.mbarrier_arrive(full[ch % NS])
-
-    @T.macro
-    def body(B):
-        with T.Kernel(splits, T.ceildiv(N, TB), threads=nst + _MIX_THREADS) as (bk, bt):
-            tx = T.get_thread_binding()
-            Sr = T.alloc_shared((NS, TB, m, dc), dtype)
-            Sy = T.alloc_shared((NS, TB, dc), dtype)
-            As = T.alloc_shared((NA, TB, kc), "bfloat16")
-            Bs = [T.alloc_shared((_NPAD, kc), "bfloat16") for _ in range(3)]
-            Cc = T.alloc_fragment((TB, _NPAD), "float32")
-            Cf = T.alloc_fragment((TB, _NPAD), "float32")
-            fl = T.alloc_local((FU, 4), "float32")
-            bl = T.alloc_local((3, 4), "bfloat16")
-            co = T.alloc_local((ncf,), "float32")
-            xl = T.alloc_local((U, len(rows), vec), dtype)
-            ol = T.alloc_local((U, m + 1, vec), dtype)  # h_new's m rows, then x
-            hv = T.alloc_local((m,), "float32")
-            sq = T.alloc_var("float32")
-            full = T.alloc_barrier([_MIX_THREADS] * NS)  # stage loaded (the producers arrive)
-            empty = T.alloc_barrier([nst] * NS)  # stage read by every streaming thread
-            afull = T.alloc_barrier([nst] * NA)  # GEMM operand staged
-            aempty = T.alloc_barrier([_MIX_THREADS] * NA)  # GEMM operand consumed
-            with T.ws(_WS_STREAM_GROUPS):
-                gx = tx - nst
-                for ch in T.serial(NS):
-                    if ch < nch:
-                        issue(B, Sr, Sy, full, bt, bk, ch)
-                for q in T.serial(-(-(_NPAD - mix) * kc // _MIX_THREADS)):  # zero fn rows mix.._NPAD
-                    if q * _MIX_THREADS + gx < (_NPAD - mix) * kc:
-                        for p in [0, 1, 2]:
-                            Bs[p][mix + (q * _MIX_THREADS + gx) // kc, (q * _MIX_THREADS + gx) % kc] = T.bfloat16(0)
-                T.clear(Cf)
-                load_fn(B, fl, gx, bk * dc, 0)
-                for ch in T.serial(nch):
-                    if ch > 0 and ch - 1 + NS < nch:  # refill the stage chunk ch - 1 was read from
-                        T.mbarrier_wait_parity(empty[(ch - 1) % NS], (ch - 1) // NS % 2)
-                        issue(B, Sr, Sy, full, bt, bk, ch - 1 + NS)
-                    for part in range(FP):
-                        split_fn(fl, bl, Bs, gx, part)
-                        if part + 1 < FP:
-                            load_fn(B, fl, gx, (ch * splits + bk) * dc, part + 1)
-                        elif ch + 1 < nch:  # fn's next chunk travels during this chunk's GEMM
-                            load_fn(B, fl, gx, ((ch + 1) * splits + bk) * dc, 0)
-                    T.fence_proxy_async()
-                    T.sync_threads(1, _MIX_THREADS)  # Bs written by the whole group
-                    T.mbarrier_wait_parity(afull[ch % NA], ch // NA % 2)
-                    T.clear(Cc)
-                    for b in [2, 1, 0]:  # the small cross terms first
-                        T.gemm(As[ch % NA, :, :], Bs[b], Cc, transpose_B=True)
-                    T.mbarrier_arrive(aempty[ch % NA])
-                    T.sync_threads(1, _MIX_THREADS)  # every warp's GEMM is done with Bs
-                    for i, j in T.Parallel(TB, _NPAD):
-                        Cf[i, j] = Cf[i, j] + Cc[i, j]
-                for i, j in T.Parallel(TB, _NPAD):
-                    if bt * TB + i < N and j < mix:
-                        B["WS"][bk, bt * TB + i, j] = Cf[i, j]
-            with T.ws(*range(_WS_STREAM_GROUPS)):
-                r = tx // tpt  # the thread's token within the tile
-                t = bt * TB + r
-                g = tx % tpt * vec  # its first column within a chunk
-                sq = T.float32(0)
-                for k in T.unroll(ncf):
-                    co[k] = T.float32(0)
-                if t < N:
-                    if expand:
-                        for j in T.unroll(m):
-                            co[j] = B["PIN"][t, j]
-                            for i in T.unroll(m):
-                                co[m + i * m + j] = B["CIN"][t, i, j]
-                    for j in T.unroll(m):
-                        co[ncf - m + j] = B["PD"][t, j]
-                for ch in T.serial(nch):
-                    c0 = (ch * splits + bk) * dc + g
-                    T.mbarrier_wait_parity(full[ch % NS], ch // NS % 2)
-                    for u in T.unroll(U):
-                        for j in rows:
-                            for e in T.vectorized(vec):
-                                xl[u, j, e] = (Sy[ch % NS, r, u * vec * tpt + g + e] if j == m
-                                               else Sr[ch % NS, r, j, u * vec * tpt + g + e])
-                    T.mbarrier_arrive(empty[ch % NS])
-                    for u in T.unroll(U):
-                        for e in T.unroll(vec):
-                            if expand:
-                                # (the lambdas: called at once, at trace time)
-                                for j, hj in enumerate(_expand_exprs(
-                                        m, lambda coef: co[coef],
-                                        lambda src_row: T.Cast("float32", xl[u, src_row, e]),  # noqa: B023
-                                        mul, add)):
-                                    ol[u, j, e] = T.Cast(dtype, hj)
-                                    hv[j] = T.Cast("float32", ol[u, j, e])
-                            else:
-                                for j in rows:
-                                    hv[j] = T.Cast("float32", xl[u, j, e])
-                            ol[u, m, e] = T.Cast(dtype, _collapse_expr(
-                                m, lambda pd_j: co[ncf - m + pd_j], hv, mul, add))
-                            for j in T.unroll(m):
-                                sq = sq + hv[j] * hv[j]
-                    # the GEMM operand first: the fence and the arrive then order only these shared
-                    # stores, not the global ones below
-                    T.mbarrier_wait_parity(aempty[ch % NA], ch // NA % 2 ^ 1)
-                    for u in T.unroll(U):
-                        for j in T.unroll(m):
-                            for e in T.vectorized(vec):
-                                As[ch % NA, r, j * dc + u * vec * tpt + g + e] = ol[u, j, e] if expand else xl[u, j, e]
-                    T.fence_proxy_async()
-                    T.mbarrier_arrive(afull[ch % NA])
-                    if t < N:
-                        for u in T.unroll(U):
-                            for e in T.vectorized(vec):
-                                B["X"][t, c0 + u * vec * tpt + e] = ol[u, m, e]
-                            if expand:
-                                for j in T.unroll(m):
-                                    for e in T.vectorized(vec):
-                                        B["HN"][t, j, c0 + u * vec * tpt + e] = ol[u, j, e]
-                for k in T.unroll(tpt.bit_length() - 1):  # the tpt lanes of one token
-                    sq = sq + T.shfl_xor(sq, 1 << k)
-                if t < N and tx % tpt == 0:
-                    B["WS"][bk, t, mix] = sq
-
-    return names, _prim_func(names, S, body).with_attr(NO_SYNC_ATTR, 1)
+def _bf16_half(word, u):
+    """fp32 value of the bf16 in half u (0: low) of a uint32 word."""
+    bits = word << T.uint32(16) if u == 0 else word & T.uint32(0xFFFF0000)
+    return T.reinterpret(bits, "float32")
 
 
 def _cuda_colres_prim_func(kind, m, D):
@@ -1051,55 +869,76 @@ def _cuda_colres_prim_func(kind, m, D):
     mul, add = _arith(True)
 
     @T.macro
-    def load_streams(B, xs, blk, c0, g):
-        """The lane's 16-byte pieces of block blk (rows g, g + 8; zeros past N) into xs."""
+    def load_streams(V, xs, blk, w0, g):
+        """The lane's 16-byte pieces of block blk (rows g, g + 8; zeros past N) into xs, as words."""
         for r in T.unroll(2):
             t = blk * 16 + g + 8 * r
             if t < N:
                 for j in rows:
-                    for e in T.vectorized(8):
-                        xs[r, j, e] = B["Y"][t, c0 + e] if j == m else B[src][t, j, c0 + e]
+                    for w in T.vectorized(4):
+                        xs[r, j, w] = V["Y"][t, w0 + w] if j == m else V[src][t, j, w0 + w]
             else:
                 for j in rows:
-                    for e in T.unroll(8):
-                        xs[r, j, e] = T.bfloat16(0)
+                    for w in T.unroll(4):
+                        xs[r, j, w] = T.uint32(0)
+
+    ncv = -(-16 * ncf // nth)  # coefficients per thread and block
 
     @T.macro
-    def load_coefs(B, Cos, buf, blk, tx):
-        """Block blk's per-token coefficients into Cos[buf] (zeros past N), by the whole CTA."""
-        for v in T.unroll(-(-16 * ncf // nth)):
+    def fetch_coefs(B, cv, blk, tx):
+        """Block blk's per-token coefficients (zeros past N) into the thread's registers cv, by the
+        whole CTA: the loads are only issued here, and the values land in shared memory later
+        (`stash_coefs`), so no thread waits for them before it has issued the block's stream loads."""
+        for v in T.unroll(ncv):
+            k = (v * nth + tx) % ncf
+            t = blk * 16 + (v * nth + tx) // ncf
+            ok = (t < N) & (v * nth + tx < 16 * ncf)
+            if expand:
+                cv[v] = T.if_then_else(
+                    ok, T.if_then_else(
+                        k < m, B["PIN"][T.min(t, N - 1), T.min(k, m - 1)], T.if_then_else(
+                            k < m + m * m, B["CIN"][T.min(t, N - 1), T.max(k - m, 0) // m % m, T.max(k - m, 0) % m],
+                            B["PD"][T.min(t, N - 1), T.max(k - m - m * m, 0) % m])), T.float32(0))
+            else:
+                cv[v] = T.if_then_else(ok, B["PD"][T.min(t, N - 1), k], T.float32(0))
+
+    @T.macro
+    def stash_coefs(Cos, buf, cv, tx):
+        for v in T.unroll(ncv):
             if v * nth + tx < 16 * ncf:
-                k = (v * nth + tx) % ncf
-                t = blk * 16 + (v * nth + tx) // ncf
-                if expand:
-                    Cos[buf, (v * nth + tx) // ncf, k] = T.if_then_else(
-                        t < N, T.if_then_else(
-                            k < m, B["PIN"][T.min(t, N - 1), T.min(k, m - 1)], T.if_then_else(
-                                k < m + m * m, B["CIN"][T.min(t, N - 1), T.max(k - m, 0) // m % m, T.max(k - m, 0) % m],
-                                B["PD"][T.min(t, N - 1), T.max(k - m - m * m, 0) % m])), T.float32(0))
-                else:
-                    Cos[buf, (v * nth + tx) // ncf, k] = T.if_then_else(t < N, B["PD"][T.min(t, N - 1), k], T.float32(0))
+                Cos[buf, (v * nth + tx) // ncf, (v * nth + tx) % ncf] = cv[v]
 
     @T.macro
     def body(B):
-        with T.Kernel(G, T.min(T.ceildiv(N, 16), pmax), threads=nth) as (bg, bp):
+        with T.Kernel(G, T.min(T.ceildiv(N, 16), pmax), threads=nth, prelude=_PACK_BF16X2) as (bg, bp):
             tx = T.get_thread_binding()
-            Fs = T.alloc_shared((3, NT, m, NW, 32, 8), "bfloat16")
+            V = {n: T.view(B[n], (N, *B[n].shape[1:-1], D // 2), "uint32") for n in names if n in _STREAMS}
+            Fs = T.alloc_shared((m, NW, 32, 2, 3 * NT, 4), "bfloat16")
             Cos = T.alloc_shared((2, 16, ncf), "float32")
             Red = T.alloc_shared((NW, 16, NT * 8 + 1), "float32")
             fv = T.alloc_local((4,), "float32")
             pl = T.alloc_local((3, 4), "bfloat16")
-            xl = T.alloc_local((2, len(rows), 8), dtype)
-            xn = T.alloc_local((2, len(rows), 8), dtype)
-            ol = T.alloc_local((2, m + 1, 8), dtype)  # h_new's m rows, then x
+            # the streams as words of two bf16 (column 2w in the low half): nvcc keeps them whole in
+            # registers, where arrays of bf16 cost a repack for every use as an mma operand
+            xl = T.alloc_local((2, len(rows), 4), "uint32")
+            xn = T.alloc_local((2, len(rows), 4), "uint32")
+            # h_new in the mma's A layout: [stream, k step s, word 2s + p, row g + 8r] (an mma
+            # operand is an aligned register quad, as is a 16-byte store's: one of the two is
+            # copied, and the stores' quads live only until they are issued)
+            ol = T.alloc_local((m, 2, 2, 2), "uint32")
+            xo = T.alloc_local((2, 4), "uint32")  # x's words
+            st = T.alloc_local((4,), "uint32")
+            hf = T.alloc_local((m, 2), "float32")
+            xf = T.alloc_local((2,), "float32")
             hv = T.alloc_local((m,), "float32")
             sq = T.alloc_local((2,), "float32")
-            af = T.alloc_local((8,), "bfloat16")
-            bf = T.alloc_local((8,), "bfloat16")
+            bf = T.alloc_local((3 * NT, 4), "bfloat16")
             Cc = T.alloc_local((NT * 4,), "float32")
+            cv = T.alloc_local((ncv,), "float32")
             acc = T.alloc_var("float32")
-            # fn's slice -> three bf16 pieces, at [piece, n // 8, stream, column // 32, lane, column % 8]
-            # with lane = (n % 8) * 4 + column % 32 // 8
+            # fn's slice -> three bf16 pieces, at [stream, column // 32, lane, column % 8 // 4, piece,
+            # n // 8, column % 4] with lane = (n % 8) * 4 + column % 32 // 8: a lane's B fragments for
+            # one k step of one stream are 3 * NT * 8 contiguous bytes
             for it in T.unroll(-(-nfv // nth)):  # unrolled: the loads go out together
                 v = it * nth + tx
                 if v < nfv:
@@ -1114,7 +953,7 @@ def _cuda_colres_prim_func(kind, m, D):
                             pl[pc, e] = piece
                     for pc in [0, 1, 2]:
                         for e in T.vectorized(4):
-                            Fs[pc, n // 8, j, col // 32, n % 8 * 4 + col % 32 // 8, col % 8 + e] = pl[pc, e]
+                            Fs[j, col // 32, n % 8 * 4 + col % 32 // 8, col % 8 // 4, pc * NT + n // 8, e] = pl[pc, e]
             q = tx // 32  # the warp's 32 columns
             lane = tx % 32
             g = lane // 4
@@ -1122,58 +961,68 @@ def _cuda_colres_prim_func(kind, m, D):
             c0 = bg * W + q * 32 + c * 8
             P = T.min(T.ceildiv(N, 16), pmax)
             nb = T.ceildiv(T.ceildiv(N, 16) - bp, P)  # this CTA's blocks
-            load_coefs(B, Cos, 0, bp, tx)
-            load_streams(B, xn, bp, c0, g)
+            fetch_coefs(B, cv, bp, tx)
+            stash_coefs(Cos, 0, cv, tx)
+            load_streams(V, xn, bp, c0 // 2, g)
             for i in T.serial(nb):
                 blk = bp + i * P
                 for r in T.unroll(2):
                     for j in rows:
-                        for e in T.unroll(8):
-                            xl[r, j, e] = xn[r, j, e]
-                T.sync_threads()  # Cos[i % 2] loaded; Red read by the previous block's sums
+                        for w in T.unroll(4):
+                            xl[r, j, w] = xn[r, j, w]
+                T.sync_threads()  # Cos[i % 2] stashed; Red read by the previous block's sums
                 if i + 1 < nb:  # the next block travels while this one is computed
-                    load_coefs(B, Cos, (i + 1) % 2, blk + P, tx)
-                    load_streams(B, xn, blk + P, c0, g)
+                    load_streams(V, xn, blk + P, c0 // 2, g)
+                    fetch_coefs(B, cv, blk + P, tx)
                 for r in T.unroll(2):
                     sq[r] = T.float32(0)
-                    for e in T.unroll(8):
+                    for w in T.unroll(4):  # columns 2w, 2w + 1
                         if expand:
-                            for j, hj in enumerate(_expand_exprs(
-                                    m, lambda coef: Cos[i % 2, g + 8 * r, coef],  # noqa: B023
-                                    lambda src_row: T.Cast("float32", xl[r, src_row, e]),  # noqa: B023
-                                    mul, add)):
-                                ol[r, j, e] = T.Cast(dtype, hj)
-                                hv[j] = T.Cast("float32", ol[r, j, e])
+                            for u in [0, 1]:
+                                for j, hj in enumerate(_expand_exprs(
+                                        m, lambda coef: Cos[i % 2, g + 8 * r, coef],  # noqa: B023
+                                        lambda src_row: _bf16_half(xl[r, src_row, w], u),  # noqa: B023
+                                        mul, add)):
+                                    hf[j, u] = hj
+                            for j in T.unroll(m):
+                                ol[j, w // 2, w % 2, r] = T.call_extern("uint32", "dsv41c_pack_bf16x2",
+                                                                        hf[j, 0], hf[j, 1])
                         else:
-                            for j in rows:
-                                ol[r, j, e] = xl[r, j, e]
-                                hv[j] = T.Cast("float32", xl[r, j, e])
-                        ol[r, m, e] = T.Cast(dtype, _collapse_expr(
-                            m, lambda pd_j: Cos[i % 2, g + 8 * r, ncf - m + pd_j], hv, mul, add))  # noqa: B023
-                        for j in T.unroll(m):
-                            sq[r] = sq[r] + hv[j] * hv[j]
+                            for j in T.unroll(m):
+                                ol[j, w // 2, w % 2, r] = xl[r, j, w]
+                        for u in [0, 1]:
+                            for j in T.unroll(m):
+                                hv[j] = _bf16_half(ol[j, w // 2, w % 2, r], u)
+                            xf[u] = _collapse_expr(
+                                m, lambda pd_j: Cos[i % 2, g + 8 * r, ncf - m + pd_j], hv, mul, add)  # noqa: B023
+                            for j in T.unroll(m):
+                                sq[r] = sq[r] + hv[j] * hv[j]
+                        xo[r, w] = T.call_extern("uint32", "dsv41c_pack_bf16x2", xf[0], xf[1])
                 for r in T.unroll(2):
                     t = blk * 16 + g + 8 * r
                     if t < N:
-                        for e in T.vectorized(8):
-                            B["X"][t, c0 + e] = ol[r, m, e]
+                        for w in T.vectorized(4):
+                            V["X"][t, c0 // 2 + w] = xo[r, w]
                         if expand:
                             for j in T.unroll(m):
-                                for e in T.vectorized(8):
-                                    B["HN"][t, j, c0 + e] = ol[r, j, e]
+                                for w in T.unroll(4):
+                                    st[w] = ol[j, w // 2, w % 2, r]
+                                for w in T.vectorized(4):
+                                    V["HN"][t, j, c0 // 2 + w] = st[w]
                 for k in T.unroll(NT * 4):
                     Cc[k] = T.float32(0)
-                for pc in [2, 1, 0]:  # the small cross terms first
-                    for j in T.unroll(m):
-                        for s in T.unroll(2):
-                            for h in T.unroll(4):  # A: rows g, g+8 x columns 8c+4s + (0,1), then (2,3)
-                                af[h * 2] = ol[h % 2, j, 4 * s + h // 2 * 2]
-                                af[h * 2 + 1] = ol[h % 2, j, 4 * s + h // 2 * 2 + 1]
+                for j in T.unroll(m):
+                    for s in T.unroll(2):
+                        # the A fragment of step s of stream j, ol[j, s]: rows g, g+8 x columns
+                        # 8c+4s + (0,1), then (2,3)
+                        for pt in T.unroll(3 * NT):
+                            for e in T.vectorized(4):
+                                bf[pt, e] = Fs[j, q, lane, s, pt, e]
+                        for pc in [2, 1, 0]:  # the small cross terms first
                             for tn in T.unroll(NT):
-                                for e in T.vectorized(4):
-                                    bf[s * 4 + e] = Fs[pc, tn, j, q, lane, s * 4 + e]
                                 T.ptx_mma("float32", "m16n8k16", "row", "col", "bf16", "bf16", "fp32",
-                                          af.data, 0, bf.data, s * 4, Cc.data, tn * 4, T.bool(False))
+                                          ol.data, (j * 2 + s) * 4, bf.data, (pc * NT + tn) * 4, Cc.data, tn * 4,
+                                          T.bool(False))
                 for r in T.unroll(2):
                     for o in [1, 2]:  # the sum of squares over the 4 lanes of a row
                         sq[r] = sq[r] + T.shfl_xor(sq[r], o)
@@ -1182,7 +1031,8 @@ def _cuda_colres_prim_func(kind, m, D):
                             Red[q, g + 8 * r, tn * 8 + c * 2 + e] = Cc[tn * 4 + r * 2 + e]
                     if c == 0:
                         Red[q, g + 8 * r, NT * 8] = sq[r]
-                T.sync_threads()  # every warp's totals in Red
+                stash_coefs(Cos, (i + 1) % 2, cv, tx)  # (after the last block: unused)
+                T.sync_threads()  # every warp's totals in Red; the next block's coefficients in Cos
                 for v in T.unroll(-(-16 * (mix + 1) // nth)):  # the warps' totals, in warp order
                     if v * nth + tx < 16 * (mix + 1):
                         n = (v * nth + tx) % (mix + 1)
@@ -1194,7 +1044,7 @@ def _cuda_colres_prim_func(kind, m, D):
                                 acc = acc + Red[w, (v * nth + tx) // (mix + 1), col]
                             B["WS"][bg, t, n] = acc
 
-    return names, _prim_func(names, S, body)
+    return names, _prim_func(names, S, body).with_attr(NO_SYNC_ATTR, 1)  # its two barriers are its own
 
 
 def _cuda_finalize_prim_func(m, D, norm_eps, hc_eps, iters):
