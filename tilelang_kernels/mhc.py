@@ -31,19 +31,15 @@ CUDA (sm_90a: wgmma needs the arch-specific target).
      cover 512 contiguous bytes of a row.  Each thread loads its 2 items (the m streams, y and the
      token's 24 coefficients) before computing any.
   pre, post_pre: two launches.
-  1. `main`: for post_pre of bf16 streams (D a multiple of 64) the warp-specialised kernel
-     (`_cuda_ws_prim_func`: a TMA ring, streaming warpgroups and a producer/GEMM warpgroup that
-     meet only at mbarriers; the mixes GEMM as below); 57% / 61-62% of the bound at T = 4096 / 65536
-     on an H200, where this staged kernel reaches 48% / 51% (BENCHMARKS.md).  (A third design, the
-     column-resident kernel `_cuda_colres_prim_func`, is off by default (`_CR_ON`): each CTA keeps
-     fn's slice for 256 columns in shared memory for every token it sees, and the streams go
-     global -> registers -> global with the mixes GEMM as register-operand mma.sync.  Its first
-     version, each warp walking the 256 columns alone, was exact on an H200 and measured 58% for
-     post_pre and 56% for pre at T = 65536, against 61% and 49%, and less at T <= 4096
-     (BENCHMARKS.md).  The current version puts the CTA's 8 warps side by side on one 16-token
-     block (256 contiguous columns of each row at once, like the flat kernel's wide rows) and
-     loads the next block while computing this one; it builds (244 registers, no spills) but has
-     not run on a GPU yet.)  Otherwise the staged
+  1. `main`: for bf16 streams with D a multiple of 256, the column-resident kernel
+     (`_cuda_colres_prim_func`): each CTA keeps fn's slice for 256 columns in shared memory, split
+     once into three bf16 pieces, for every token it sees; the streams go global -> registers ->
+     global as words of two bf16, and the mixes GEMM is register-operand mma.sync on those words.
+     On an H200: post_pre 60% / 66% of the bound at T = 4096 / 65536, pre 44% / 53%; T = 1 takes
+     14 / 12 us for the two launches (BENCHMARKS.md).  (A warp-specialised kernel, a TMA ring
+     with streaming warpgroups and a producer/GEMM warpgroup meeting at mbarriers, reached 56% /
+     63% for post_pre and was removed: its ring read 128-byte pieces of rows 10 KB apart.)
+     Otherwise (fp32 streams, other widths) the staged
      kernel: grid (K splits of D, token tiles of TB=64), 128 threads (one warpgroup).  The split is
      blockIdx.x, so a tile's K CTAs are resident together, and CTA k takes the chunks of DC=32
      columns k, k + K, k + 2K, ...: together they read K adjacent 64-byte pieces of each row (with
@@ -840,16 +836,23 @@ def _cuda_colres_prim_func(kind, m, D):
     at once, side by side along the row (W contiguous columns of each row between them).  Lane
     (g, c) = (lane // 4, lane % 4) of warp q owns columns 32q + 8c..+7 of tokens g and g + 8, which
     it reads and writes as 16-byte vectors straight from and to global memory (no shared memory on
-    the stream path), forming h_new and x in the reference's order; the next block's streams and
-    coefficients are loaded while this one is computed.  The lane's registers are also the A
-    operand of `mma.sync.m16n8k16`: the A fragment holds k = 2c, 2c+1, 2c+8, 2c+9 of rows g and
+    the stream path), forming h_new and x in the reference's order.  The streams are held as
+    uint32 words of two bf16 (uint32 views of the tensors): a half becomes fp32 with one shift or
+    mask, and two results are rounded into a word by one cvt.rn.bf16x2.f32, where arrays of bf16
+    made nvcc split and repack the 16-bit halves for every use.  The next block's streams are
+    loaded while this one is computed, and then its coefficients, into registers: they reach
+    shared memory only after this block's compute (stored straight away, the shared store waited
+    for the global load and held back the stream loads behind it).  The lane's words are also the
+    A operand of `mma.sync.m16n8k16`: the A fragment holds k = 2c, 2c+1, 2c+8, 2c+9 of rows g and
     g+8, and the GEMM's sum over k does not depend on which column each k stands for, so columns
     8c+4s..8c+4s+3 serve as step s's k slots (s = 0, 1), and fn's pieces are laid out with the same
-    assignment (the B fragment of lane (g, c): row n = g of the n8 tile, the same columns).  The
-    products of the lo, mid and hi pieces accumulate from zero on the tensor cores; the warps'
-    totals are then added in warp order with IEEE adds (through shared memory), as the other
-    mixing kernels add their chunks, and written with the sums of squares to the workspace
-    [G, T, 32] for the finalize kernel."""
+    assignment (the B fragment of lane (g, c): row n = g of the n8 tile, the same columns), a
+    lane's 3 x NT B fragments of one step contiguous, so one A fragment serves its nine products in
+    a row.  The products of the lo, mid and hi pieces accumulate from zero on the tensor cores;
+    the warps' totals are then added in warp order with IEEE adds (through shared memory), as the
+    staged kernel adds its chunks, and written with the sums of squares to the workspace
+    [G, T, 32] for the finalize kernel.  The CTA's two barriers are its own (TileLang inserts none).
+    248 registers, no spills: one CTA of 8 warps per SM."""
     expand = kind == "post_pre"
     dtype = "bfloat16"
     names = _PARAMS[kind, "main"]
