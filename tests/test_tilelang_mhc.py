@@ -253,6 +253,19 @@ def test_cuda_column_resident_lowers_for_sm90():
         assert "__fmul_rn" in src and "__fadd_rn" in src and src.count("__syncthreads()") == 2
 
 
+@pytest.mark.parametrize("prefetch", (0, 1))
+def test_cuda_column_resident_groups_lower_for_sm90(prefetch, monkeypatch):
+    """The column-resident kernel's tuning variants build (so `benchmarks/mhc.py --set` can time
+    them): two groups of 8 warps per CTA, each on its own token blocks behind its own named
+    barrier, with and without the next block loaded ahead."""
+    monkeypatch.setattr(K, "_CR_GROUPS", 2)
+    monkeypatch.setattr(K, "_CR_PREFETCH", prefetch)
+    for kind in ("pre", "post_pre"):
+        src = _sm90_source(kind, "bfloat16")
+        assert "__launch_bounds__(512, 1)" in src and src.count("tl::mma_sync<") == 3
+        assert src.count("__sync_thread_partial(") == 2 and src.count("__syncthreads()") == 1
+
+
 def test_cuda_post_collapse_lowers_for_sm90():
     """The flat post_collapse kernel: 16-byte loads and stores, no shared memory, no barrier."""
     src = _sm90_source("post_collapse", "bfloat16")
@@ -281,6 +294,23 @@ def test_cuda_column_resident_matches_refs(kind):
         assert K.column_resident(kind, "bfloat16", d)
         for n in (*TOKENS, 4099):
             check(kind, torch.bfloat16, n, d, "cuda")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("groups,prefetch", ((1, 0), (2, 0), (2, 1)))
+@pytest.mark.parametrize("kind", ("pre", "post_pre"))
+def test_cuda_column_resident_variants_match_refs(kind, groups, prefetch, monkeypatch):
+    """The column-resident kernel's tuning variants (`_CR_GROUPS`, `_CR_PREFETCH`) against the
+    refs, T up to 4099 (with two groups, some groups of the last CTA have no block)."""
+    monkeypatch.setattr(K, "_CR_GROUPS", groups)
+    monkeypatch.setattr(K, "_CR_PREFETCH", prefetch)
+    K.build.cache_clear()  # builds are cached per op key, which does not name the tuning
+    try:
+        for n in (1, 7, 77, 4099):
+            check(kind, torch.bfloat16, n, 5120, "cuda")
+    finally:
+        K.build.cache_clear()
 
 
 @pytest.mark.gpu

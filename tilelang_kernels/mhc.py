@@ -106,6 +106,10 @@ _CTAS_PER_SM = 2  # CUDA: resident mixes CTAs per H200 SM (shared memory: 86 KB 
 _CR_W = 256  # CUDA column-resident mixing kernel: columns of each stream per CTA (fn's slice stays in
 #               shared memory), one warp per 32
 _CR_WAVES = 2  # CUDA column-resident mixing kernel: at most this many waves of CTAs (at one per SM)
+_CR_GROUPS = 1  # CUDA column-resident mixing kernel: groups of _CR_W / 32 warps per CTA, each on its own
+#                token blocks, sharing fn's slice (2: 16 warps, at most 128 registers each)
+_CR_PREFETCH = 1  # CUDA column-resident mixing kernel: 1: the next block's streams load while this one
+#                   is computed (registers for two blocks); 0: each block loads, then computes
 _SMS = 132  # H200 SMs
 
 
@@ -852,7 +856,12 @@ def _cuda_colres_prim_func(kind, m, D):
     the warps' totals are then added in warp order with IEEE adds (through shared memory), as the
     staged kernel adds its chunks, and written with the sums of squares to the workspace
     [G, T, 32] for the finalize kernel.  The CTA's two barriers are its own (TileLang inserts none).
-    248 registers, no spills: one CTA of 8 warps per SM."""
+    248 registers, no spills: one CTA of 8 warps per SM.
+
+    Tuning variants, built and tested for correctness on a GPU by the tests, not yet timed:
+    `_CR_GROUPS` = 2 puts two such groups of warps in a CTA, each on its own 16-token blocks behind
+    its own named barrier, sharing fn's slice: 16 warps per SM at 128 registers.  `_CR_PREFETCH`
+    = 0 loads each block just before computing it (no second set of stream registers)."""
     expand = kind == "post_pre"
     dtype = "bfloat16"
     names = _PARAMS[kind, "main"]
@@ -867,8 +876,10 @@ def _cuda_colres_prim_func(kind, m, D):
     src = "RES" if expand else "H"
     pmax = max(1, _CR_WAVES * _SMS // G)
     nfv = NT * 8 * m * W // 4  # float4 vectors of fn's slice
-    nth = 32 * NW
-    assert W % 32 == 0 and D % W == 0
+    NG, prefetch = _CR_GROUPS, bool(_CR_PREFETCH)
+    ntg = 32 * NW  # threads per group
+    nth = NG * ntg
+    assert W % 32 == 0 and D % W == 0 and 1 <= NG <= 15
     mul, add = _arith(True)
 
     @T.macro
@@ -885,17 +896,18 @@ def _cuda_colres_prim_func(kind, m, D):
                     for w in T.unroll(4):
                         xs[r, j, w] = T.uint32(0)
 
-    ncv = -(-16 * ncf // nth)  # coefficients per thread and block
+    ncv = -(-16 * ncf // ntg)  # coefficients per thread and block
 
     @T.macro
     def fetch_coefs(B, cv, blk, tx):
         """Block blk's per-token coefficients (zeros past N) into the thread's registers cv, by the
-        whole CTA: the loads are only issued here, and the values land in shared memory later
-        (`stash_coefs`), so no thread waits for them before it has issued the block's stream loads."""
+        whole group (tx: the thread's index in it): the loads are only issued here, and the values
+        land in shared memory later (`stash_coefs`), so no thread waits for them before it has
+        issued the block's stream loads."""
         for v in T.unroll(ncv):
-            k = (v * nth + tx) % ncf
-            t = blk * 16 + (v * nth + tx) // ncf
-            ok = (t < N) & (v * nth + tx < 16 * ncf)
+            k = (v * ntg + tx) % ncf
+            t = blk * 16 + (v * ntg + tx) // ncf
+            ok = (t < N) & (v * ntg + tx < 16 * ncf)
             if expand:
                 cv[v] = T.if_then_else(
                     ok, T.if_then_else(
@@ -906,19 +918,27 @@ def _cuda_colres_prim_func(kind, m, D):
                 cv[v] = T.if_then_else(ok, B["PD"][T.min(t, N - 1), k], T.float32(0))
 
     @T.macro
-    def stash_coefs(Cos, buf, cv, tx):
+    def stash_coefs(Cos, gi, buf, cv, tx):
         for v in T.unroll(ncv):
-            if v * nth + tx < 16 * ncf:
-                Cos[buf, (v * nth + tx) // ncf, (v * nth + tx) % ncf] = cv[v]
+            if v * ntg + tx < 16 * ncf:
+                Cos[gi, buf, (v * ntg + tx) // ncf, (v * ntg + tx) % ncf] = cv[v]
+
+    @T.macro
+    def group_sync(gi):
+        """A barrier of the group's threads (the whole CTA when it is one group)."""
+        if NG == 1:
+            T.sync_threads()
+        else:
+            T.sync_threads(1 + gi, ntg)  # bar.sync takes the barrier's id from a register
 
     @T.macro
     def body(B):
-        with T.Kernel(G, T.min(T.ceildiv(N, 16), pmax), threads=nth, prelude=_PACK_BF16X2) as (bg, bp):
+        with T.Kernel(G, T.min(T.ceildiv(T.ceildiv(N, 16), NG), pmax), threads=nth, prelude=_PACK_BF16X2) as (bg, bp):
             tx = T.get_thread_binding()
             V = {n: T.view(B[n], (N, *B[n].shape[1:-1], D // 2), "uint32") for n in names if n in _STREAMS}
             Fs = T.alloc_shared((m, NW, 32, 2, 3 * NT, 4), "bfloat16")
-            Cos = T.alloc_shared((2, 16, ncf), "float32")
-            Red = T.alloc_shared((NW, 16, NT * 8 + 1), "float32")
+            Cos = T.alloc_shared((NG, 2, 16, ncf), "float32")
+            Red = T.alloc_shared((NG, NW, 16, NT * 8 + 1), "float32")
             fv = T.alloc_local((4,), "float32")
             pl = T.alloc_local((3, 4), "bfloat16")
             # the streams as words of two bf16 (column 2w in the low half): nvcc keeps them whole in
@@ -957,33 +977,47 @@ def _cuda_colres_prim_func(kind, m, D):
                     for pc in [0, 1, 2]:
                         for e in T.vectorized(4):
                             Fs[j, col // 32, n % 8 * 4 + col % 32 // 8, col % 8 // 4, pc * NT + n // 8, e] = pl[pc, e]
-            q = tx // 32  # the warp's 32 columns
+            gi = tx // ntg if NG > 1 else 0  # the thread's group
+            tg = tx % ntg if NG > 1 else tx  # its index in the group
+            q = tg // 32  # the warp's 32 columns
             lane = tx % 32
             g = lane // 4
             c = lane % 4
             c0 = bg * W + q * 32 + c * 8
-            P = T.min(T.ceildiv(N, 16), pmax)
-            nb = T.ceildiv(T.ceildiv(N, 16) - bp, P)  # this CTA's blocks
-            fetch_coefs(B, cv, bp, tx)
-            stash_coefs(Cos, 0, cv, tx)
-            load_streams(V, xn, bp, c0 // 2, g)
+            NB = T.ceildiv(N, 16)  # 16-token blocks
+            PV = T.min(T.ceildiv(NB, NG), pmax) * NG  # groups along the tokens, over all CTAs
+            vp = bp * NG + gi  # this group's first block; then vp + PV, vp + 2 PV, ...
+            # its blocks (with one group per CTA, vp < NB always)
+            nb = T.if_then_else(vp < NB, T.ceildiv(NB - T.min(vp, NB), PV), 0) if NG > 1 else T.ceildiv(NB - vp, PV)
+            if NG > 1:
+                T.sync_threads()  # fn's slice in Fs, for every group
+            if prefetch:
+                fetch_coefs(B, cv, vp, tg)
+                stash_coefs(Cos, gi, 0, cv, tg)
+                load_streams(V, xn, vp, c0 // 2, g)
             for i in T.serial(nb):
-                blk = bp + i * P
-                for r in T.unroll(2):
-                    for j in rows:
-                        for w in T.unroll(4):
-                            xl[r, j, w] = xn[r, j, w]
-                T.sync_threads()  # Cos[i % 2] stashed; Red read by the previous block's sums
-                if i + 1 < nb:  # the next block travels while this one is computed
-                    load_streams(V, xn, blk + P, c0 // 2, g)
-                    fetch_coefs(B, cv, blk + P, tx)
+                blk = vp + i * PV
+                if prefetch:
+                    for r in T.unroll(2):
+                        for j in rows:
+                            for w in T.unroll(4):
+                                xl[r, j, w] = xn[r, j, w]
+                    group_sync(gi)  # Cos[gi, i % 2] stashed; Red[gi] read by the previous block's sums
+                    if i + 1 < nb:  # the next block travels while this one is computed
+                        load_streams(V, xn, blk + PV, c0 // 2, g)
+                        fetch_coefs(B, cv, blk + PV, tg)
+                else:
+                    load_streams(V, xl, blk, c0 // 2, g)
+                    fetch_coefs(B, cv, blk, tg)
+                    stash_coefs(Cos, gi, i % 2, cv, tg)
+                    group_sync(gi)  # Cos[gi, i % 2] stashed; Red[gi] read by the previous block's sums
                 for r in T.unroll(2):
                     sq[r] = T.float32(0)
                     for w in T.unroll(4):  # columns 2w, 2w + 1
                         if expand:
                             for u in [0, 1]:
                                 for j, hj in enumerate(_expand_exprs(
-                                        m, lambda coef: Cos[i % 2, g + 8 * r, coef],  # noqa: B023
+                                        m, lambda coef: Cos[gi, i % 2, g + 8 * r, coef],  # noqa: B023
                                         lambda src_row: _bf16_half(xl[r, src_row, w], u),  # noqa: B023
                                         mul, add)):
                                     hf[j, u] = hj
@@ -997,7 +1031,7 @@ def _cuda_colres_prim_func(kind, m, D):
                             for j in T.unroll(m):
                                 hv[j] = _bf16_half(ol[j, w // 2, w % 2, r], u)
                             xf[u] = _collapse_expr(
-                                m, lambda pd_j: Cos[i % 2, g + 8 * r, ncf - m + pd_j], hv, mul, add)  # noqa: B023
+                                m, lambda pd_j: Cos[gi, i % 2, g + 8 * r, ncf - m + pd_j], hv, mul, add)  # noqa: B023
                             for j in T.unroll(m):
                                 sq[r] = sq[r] + hv[j] * hv[j]
                         xo[r, w] = T.call_extern("uint32", "dsv41c_pack_bf16x2", xf[0], xf[1])
@@ -1031,20 +1065,21 @@ def _cuda_colres_prim_func(kind, m, D):
                         sq[r] = sq[r] + T.shfl_xor(sq[r], o)
                     for tn in T.unroll(NT):
                         for e in T.unroll(2):
-                            Red[q, g + 8 * r, tn * 8 + c * 2 + e] = Cc[tn * 4 + r * 2 + e]
+                            Red[gi, q, g + 8 * r, tn * 8 + c * 2 + e] = Cc[tn * 4 + r * 2 + e]
                     if c == 0:
-                        Red[q, g + 8 * r, NT * 8] = sq[r]
-                stash_coefs(Cos, (i + 1) % 2, cv, tx)  # (after the last block: unused)
-                T.sync_threads()  # every warp's totals in Red; the next block's coefficients in Cos
-                for v in T.unroll(-(-16 * (mix + 1) // nth)):  # the warps' totals, in warp order
-                    if v * nth + tx < 16 * (mix + 1):
-                        n = (v * nth + tx) % (mix + 1)
-                        t = blk * 16 + (v * nth + tx) // (mix + 1)
+                        Red[gi, q, g + 8 * r, NT * 8] = sq[r]
+                if prefetch:
+                    stash_coefs(Cos, gi, (i + 1) % 2, cv, tg)  # (after the last block: unused)
+                group_sync(gi)  # every warp's totals in Red[gi]; the next block's coefficients in Cos[gi]
+                for v in T.unroll(-(-16 * (mix + 1) // ntg)):  # the warps' totals, in warp order
+                    if v * ntg + tg < 16 * (mix + 1):
+                        n = (v * ntg + tg) % (mix + 1)
+                        t = blk * 16 + (v * ntg + tg) // (mix + 1)
                         if t < N:
                             col = T.if_then_else(n < mix, n, NT * 8)
-                            acc = Red[0, (v * nth + tx) // (mix + 1), col]
+                            acc = Red[gi, 0, (v * ntg + tg) // (mix + 1), col]
                             for w in T.serial(1, NW):
-                                acc = acc + Red[w, (v * nth + tx) // (mix + 1), col]
+                                acc = acc + Red[gi, w, (v * ntg + tg) // (mix + 1), col]
                             B["WS"][bg, t, n] = acc
 
     return names, _prim_func(names, S, body).with_attr(NO_SYNC_ATTR, 1)  # its two barriers are its own
