@@ -858,7 +858,7 @@ def _cuda_colres_prim_func(kind, m, D):
     [G, T, 32] for the finalize kernel.  The CTA's two barriers are its own (TileLang inserts none).
     248 registers, no spills: one CTA of 8 warps per SM.
 
-    Tuning variants, built and tested for correctness on a GPU by the tests, not yet timed:
+    Tuning variants, built (and with a GPU test against the refs), not yet run on a GPU:
     `_CR_GROUPS` = 2 puts two such groups of warps in a CTA, each on its own 16-token blocks behind
     its own named barrier, sharing fn's slice: 16 warps per SM at 128 registers.  `_CR_PREFETCH`
     = 0 loads each block just before computing it (no second set of stream registers)."""
