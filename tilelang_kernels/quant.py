@@ -566,8 +566,9 @@ def compile_for(fn, target: str):
     """tilelang.compile of a prim_func for target "c" (CPU) or "cuda[:sm_XX[a]]", without fast math
     (the kernels' exactness arguments assume IEEE fp32 operations). Shared by every kernel module.
     A prim_func with the attr NO_SYNC_ATTR is compiled without TileLang's shared-memory barrier
-    insertion: a warp-specialised kernel whose roles meet only at its own mbarriers would deadlock
-    on a CTA-wide barrier placed between them."""
+    insertion: for a kernel that places every barrier itself (the mHC column-resident kernel,
+    whose warp groups meet at named barriers), an inserted CTA-wide barrier costs time or
+    deadlocks."""
     if target == "c":
         return tilelang.compile(fn, target="c")
     arch = target.partition(":")[2]
