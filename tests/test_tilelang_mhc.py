@@ -14,6 +14,7 @@ What must hold:
     stream update an order below DESIGN.md's 1e-4 compiled-vs-eager fp32 bound.
 """
 
+import re
 import secrets
 
 import pytest
@@ -266,6 +267,15 @@ def test_cuda_column_resident_groups_lower_for_sm90(prefetch, monkeypatch):
         assert src.count("__sync_thread_partial(") == 2 and src.count("__syncthreads()") == 1
 
 
+def test_cuda_column_resident_swap_lowers_for_sm90(monkeypatch):
+    """`_CR_SWAP`: the block loop's body twice, the two stream register sets trading roles, and
+    no copy from one to the other."""
+    monkeypatch.setattr(K, "_CR_SWAP", 1)
+    src = _sm90_source("pre", "bfloat16")
+    assert src.count("tl::mma_sync<") == 6 and src.count("__syncthreads()") == 4
+    assert "xl[" in src and "xn[" in src and not re.search(r"\bx[ln]\[[^;]*\] = x[ln]\[", src)
+
+
 def test_cuda_post_collapse_lowers_for_sm90():
     """The flat post_collapse kernel: 16-byte loads and stores, no shared memory, no barrier."""
     src = _sm90_source("post_collapse", "bfloat16")
@@ -298,13 +308,15 @@ def test_cuda_column_resident_matches_refs(kind):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("groups,prefetch", ((1, 0), (2, 0), (2, 1)))
+@pytest.mark.parametrize("groups,prefetch,swap", ((1, 0, 0), (2, 0, 0), (2, 1, 0), (1, 1, 1)))
 @pytest.mark.parametrize("kind", ("pre", "post_pre"))
-def test_cuda_column_resident_variants_match_refs(kind, groups, prefetch, monkeypatch):
-    """The column-resident kernel's tuning variants (`_CR_GROUPS`, `_CR_PREFETCH`) against the
-    refs, T up to 4099 (with two groups, some groups of the last CTA have no block)."""
+def test_cuda_column_resident_variants_match_refs(kind, groups, prefetch, swap, monkeypatch):
+    """The column-resident kernel's tuning variants (`_CR_GROUPS`, `_CR_PREFETCH`, `_CR_SWAP`)
+    against the refs, T up to 4099 (with two groups, some groups of the last CTA have no block;
+    with the swap, an odd number of blocks ends on the loop's first half)."""
     monkeypatch.setattr(K, "_CR_GROUPS", groups)
     monkeypatch.setattr(K, "_CR_PREFETCH", prefetch)
+    monkeypatch.setattr(K, "_CR_SWAP", swap)
     K.build.cache_clear()  # builds are cached per op key, which does not name the tuning
     try:
         for n in (1, 7, 77, 4099):

@@ -110,6 +110,8 @@ _CR_GROUPS = 1  # CUDA column-resident mixing kernel: groups of _CR_W / 32 warps
 #                token blocks, sharing fn's slice (2: 16 warps, at most 128 registers each)
 _CR_PREFETCH = 1  # CUDA column-resident mixing kernel: 1: the next block's streams load while this one
 #                   is computed (registers for two blocks); 0: each block loads, then computes
+_CR_SWAP = 0  # CUDA column-resident mixing kernel, with _CR_PREFETCH: 1: two stream register sets that
+#               trade roles block by block (the loop body twice), instead of a copy from one to the other
 _SMS = 132  # H200 SMs
 
 
@@ -861,7 +863,13 @@ def _cuda_colres_prim_func(kind, m, D):
     Tuning variants, built (and with a GPU test against the refs), not yet run on a GPU:
     `_CR_GROUPS` = 2 puts two such groups of warps in a CTA, each on its own 16-token blocks behind
     its own named barrier, sharing fn's slice: 16 warps per SM at 128 registers.  `_CR_PREFETCH`
-    = 0 loads each block just before computing it (no second set of stream registers)."""
+    = 0 loads each block just before computing it (no second set of stream registers).
+    `_CR_SWAP` = 1 runs the block loop's body twice per trip, the two stream register sets trading
+    roles: in the default pre build ptxas gives the copy's source and destination one register
+    set, so the next block's loads wait until the collapse has read the current one (they sit
+    after it in the SASS, 254 instructions into the 673 of the loop, where post_pre's are at 59);
+    with the swap they go out right after the barrier (pre: 747 instructions per block, 220
+    registers; post_pre spills)."""
     expand = kind == "post_pre"
     dtype = "bfloat16"
     names = _PARAMS[kind, "main"]
@@ -877,6 +885,7 @@ def _cuda_colres_prim_func(kind, m, D):
     pmax = max(1, _CR_WAVES * _SMS // G)
     nfv = NT * 8 * m * W // 4  # float4 vectors of fn's slice
     NG, prefetch = _CR_GROUPS, bool(_CR_PREFETCH)
+    swap = prefetch and bool(_CR_SWAP)
     ntg = 32 * NW  # threads per group
     nth = NG * ntg
     assert W % 32 == 0 and D % W == 0 and 1 <= NG <= 15
@@ -932,6 +941,100 @@ def _cuda_colres_prim_func(kind, m, D):
             T.sync_threads(1 + gi, ntg)  # bar.sync takes the barrier's id from a register
 
     @T.macro
+    def block(B, V, R, i, xl, xn, nb, vp, PV, gi, tg, q, lane, g, c, c0, bg, swap):
+        """Block number i of the group's blocks: its streams in xl (with the load-ahead: the next
+        block's go to xn; copied from xn first unless `swap`, where the caller alternates the two)."""
+        Fs, Cos, Red, ol, xo, st = R["Fs"], R["Cos"], R["Red"], R["ol"], R["xo"], R["st"]
+        hf, xf, hv, sq, bf, Cc, cv = R["hf"], R["xf"], R["hv"], R["sq"], R["bf"], R["Cc"], R["cv"]
+        acc = T.alloc_var("float32")
+        blk = vp + i * PV
+        if prefetch:
+            if not swap:
+                for r in T.unroll(2):
+                    for j in rows:
+                        for w in T.unroll(4):
+                            xl[r, j, w] = xn[r, j, w]
+            group_sync(gi)  # Cos[gi, i % 2] stashed; Red[gi] read by the previous block's sums
+            if i + 1 < nb:  # the next block travels while this one is computed
+                load_streams(V, xn, blk + PV, c0 // 2, g)
+                fetch_coefs(B, cv, blk + PV, tg)
+        else:
+            load_streams(V, xl, blk, c0 // 2, g)
+            fetch_coefs(B, cv, blk, tg)
+            stash_coefs(Cos, gi, i % 2, cv, tg)
+            group_sync(gi)  # Cos[gi, i % 2] stashed; Red[gi] read by the previous block's sums
+        for r in T.unroll(2):
+            sq[r] = T.float32(0)
+            for w in T.unroll(4):  # columns 2w, 2w + 1
+                if expand:
+                    for u in [0, 1]:
+                        for j, hj in enumerate(_expand_exprs(
+                                m, lambda coef: Cos[gi, i % 2, g + 8 * r, coef],  # noqa: B023
+                                lambda src_row: _bf16_half(xl[r, src_row, w], u),  # noqa: B023
+                                mul, add)):
+                            hf[j, u] = hj
+                    for j in T.unroll(m):
+                        ol[j, w // 2, w % 2, r] = T.call_extern("uint32", "dsv41c_pack_bf16x2",
+                                                                hf[j, 0], hf[j, 1])
+                else:
+                    for j in T.unroll(m):
+                        ol[j, w // 2, w % 2, r] = xl[r, j, w]
+                for u in [0, 1]:
+                    for j in T.unroll(m):
+                        hv[j] = _bf16_half(ol[j, w // 2, w % 2, r], u)
+                    xf[u] = _collapse_expr(
+                        m, lambda pd_j: Cos[gi, i % 2, g + 8 * r, ncf - m + pd_j], hv, mul, add)  # noqa: B023
+                    for j in T.unroll(m):
+                        sq[r] = sq[r] + hv[j] * hv[j]
+                xo[r, w] = T.call_extern("uint32", "dsv41c_pack_bf16x2", xf[0], xf[1])
+        for r in T.unroll(2):
+            t = blk * 16 + g + 8 * r
+            if t < N:
+                for w in T.vectorized(4):
+                    V["X"][t, c0 // 2 + w] = xo[r, w]
+                if expand:
+                    for j in T.unroll(m):
+                        for w in T.unroll(4):
+                            st[w] = ol[j, w // 2, w % 2, r]
+                        for w in T.vectorized(4):
+                            V["HN"][t, j, c0 // 2 + w] = st[w]
+        for k in T.unroll(NT * 4):
+            Cc[k] = T.float32(0)
+        for j in T.unroll(m):
+            for s in T.unroll(2):
+                # the A fragment of step s of stream j, ol[j, s]: rows g, g+8 x columns
+                # 8c+4s + (0,1), then (2,3)
+                for pt in T.unroll(3 * NT):
+                    for e in T.vectorized(4):
+                        bf[pt, e] = Fs[j, q, lane, s, pt, e]
+                for pc in [2, 1, 0]:  # the small cross terms first
+                    for tn in T.unroll(NT):
+                        T.ptx_mma("float32", "m16n8k16", "row", "col", "bf16", "bf16", "fp32",
+                                  ol.data, (j * 2 + s) * 4, bf.data, (pc * NT + tn) * 4, Cc.data, tn * 4,
+                                  T.bool(False))
+        for r in T.unroll(2):
+            for o in [1, 2]:  # the sum of squares over the 4 lanes of a row
+                sq[r] = sq[r] + T.shfl_xor(sq[r], o)
+            for tn in T.unroll(NT):
+                for e in T.unroll(2):
+                    Red[gi, q, g + 8 * r, tn * 8 + c * 2 + e] = Cc[tn * 4 + r * 2 + e]
+            if c == 0:
+                Red[gi, q, g + 8 * r, NT * 8] = sq[r]
+        if prefetch:
+            stash_coefs(Cos, gi, (i + 1) % 2, cv, tg)  # (after the last block: unused)
+        group_sync(gi)  # every warp's totals in Red[gi]; the next block's coefficients in Cos[gi]
+        for v in T.unroll(-(-16 * (mix + 1) // ntg)):  # the warps' totals, in warp order
+            if v * ntg + tg < 16 * (mix + 1):
+                n = (v * ntg + tg) % (mix + 1)
+                t = blk * 16 + (v * ntg + tg) // (mix + 1)
+                if t < N:
+                    col = T.if_then_else(n < mix, n, NT * 8)
+                    acc = Red[gi, 0, (v * ntg + tg) // (mix + 1), col]
+                    for w in T.serial(1, NW):
+                        acc = acc + Red[gi, w, (v * ntg + tg) // (mix + 1), col]
+                    B["WS"][bg, t, n] = acc
+
+    @T.macro
     def body(B):
         with T.Kernel(G, T.min(T.ceildiv(T.ceildiv(N, 16), NG), pmax), threads=nth, prelude=_PACK_BF16X2) as (bg, bp):
             tx = T.get_thread_binding()
@@ -958,7 +1061,6 @@ def _cuda_colres_prim_func(kind, m, D):
             bf = T.alloc_local((3 * NT, 4), "bfloat16")
             Cc = T.alloc_local((NT * 4,), "float32")
             cv = T.alloc_local((ncv,), "float32")
-            acc = T.alloc_var("float32")
             # fn's slice -> three bf16 pieces, at [stream, column // 32, lane, column % 8 // 4, piece,
             # n // 8, column % 4] with lane = (n % 8) * 4 + column % 32 // 8: a lane's B fragments for
             # one k step of one stream are 3 * NT * 8 contiguous bytes
@@ -995,92 +1097,17 @@ def _cuda_colres_prim_func(kind, m, D):
                 fetch_coefs(B, cv, vp, tg)
                 stash_coefs(Cos, gi, 0, cv, tg)
                 load_streams(V, xn, vp, c0 // 2, g)
-            for i in T.serial(nb):
-                blk = vp + i * PV
-                if prefetch:
-                    for r in T.unroll(2):
-                        for j in rows:
-                            for w in T.unroll(4):
-                                xl[r, j, w] = xn[r, j, w]
-                    group_sync(gi)  # Cos[gi, i % 2] stashed; Red[gi] read by the previous block's sums
-                    if i + 1 < nb:  # the next block travels while this one is computed
-                        load_streams(V, xn, blk + PV, c0 // 2, g)
-                        fetch_coefs(B, cv, blk + PV, tg)
-                else:
-                    load_streams(V, xl, blk, c0 // 2, g)
-                    fetch_coefs(B, cv, blk, tg)
-                    stash_coefs(Cos, gi, i % 2, cv, tg)
-                    group_sync(gi)  # Cos[gi, i % 2] stashed; Red[gi] read by the previous block's sums
-                for r in T.unroll(2):
-                    sq[r] = T.float32(0)
-                    for w in T.unroll(4):  # columns 2w, 2w + 1
-                        if expand:
-                            for u in [0, 1]:
-                                for j, hj in enumerate(_expand_exprs(
-                                        m, lambda coef: Cos[gi, i % 2, g + 8 * r, coef],  # noqa: B023
-                                        lambda src_row: _bf16_half(xl[r, src_row, w], u),  # noqa: B023
-                                        mul, add)):
-                                    hf[j, u] = hj
-                            for j in T.unroll(m):
-                                ol[j, w // 2, w % 2, r] = T.call_extern("uint32", "dsv41c_pack_bf16x2",
-                                                                        hf[j, 0], hf[j, 1])
-                        else:
-                            for j in T.unroll(m):
-                                ol[j, w // 2, w % 2, r] = xl[r, j, w]
-                        for u in [0, 1]:
-                            for j in T.unroll(m):
-                                hv[j] = _bf16_half(ol[j, w // 2, w % 2, r], u)
-                            xf[u] = _collapse_expr(
-                                m, lambda pd_j: Cos[gi, i % 2, g + 8 * r, ncf - m + pd_j], hv, mul, add)  # noqa: B023
-                            for j in T.unroll(m):
-                                sq[r] = sq[r] + hv[j] * hv[j]
-                        xo[r, w] = T.call_extern("uint32", "dsv41c_pack_bf16x2", xf[0], xf[1])
-                for r in T.unroll(2):
-                    t = blk * 16 + g + 8 * r
-                    if t < N:
-                        for w in T.vectorized(4):
-                            V["X"][t, c0 // 2 + w] = xo[r, w]
-                        if expand:
-                            for j in T.unroll(m):
-                                for w in T.unroll(4):
-                                    st[w] = ol[j, w // 2, w % 2, r]
-                                for w in T.vectorized(4):
-                                    V["HN"][t, j, c0 // 2 + w] = st[w]
-                for k in T.unroll(NT * 4):
-                    Cc[k] = T.float32(0)
-                for j in T.unroll(m):
-                    for s in T.unroll(2):
-                        # the A fragment of step s of stream j, ol[j, s]: rows g, g+8 x columns
-                        # 8c+4s + (0,1), then (2,3)
-                        for pt in T.unroll(3 * NT):
-                            for e in T.vectorized(4):
-                                bf[pt, e] = Fs[j, q, lane, s, pt, e]
-                        for pc in [2, 1, 0]:  # the small cross terms first
-                            for tn in T.unroll(NT):
-                                T.ptx_mma("float32", "m16n8k16", "row", "col", "bf16", "bf16", "fp32",
-                                          ol.data, (j * 2 + s) * 4, bf.data, (pc * NT + tn) * 4, Cc.data, tn * 4,
-                                          T.bool(False))
-                for r in T.unroll(2):
-                    for o in [1, 2]:  # the sum of squares over the 4 lanes of a row
-                        sq[r] = sq[r] + T.shfl_xor(sq[r], o)
-                    for tn in T.unroll(NT):
-                        for e in T.unroll(2):
-                            Red[gi, q, g + 8 * r, tn * 8 + c * 2 + e] = Cc[tn * 4 + r * 2 + e]
-                    if c == 0:
-                        Red[gi, q, g + 8 * r, NT * 8] = sq[r]
-                if prefetch:
-                    stash_coefs(Cos, gi, (i + 1) % 2, cv, tg)  # (after the last block: unused)
-                group_sync(gi)  # every warp's totals in Red[gi]; the next block's coefficients in Cos[gi]
-                for v in T.unroll(-(-16 * (mix + 1) // ntg)):  # the warps' totals, in warp order
-                    if v * ntg + tg < 16 * (mix + 1):
-                        n = (v * ntg + tg) % (mix + 1)
-                        t = blk * 16 + (v * ntg + tg) // (mix + 1)
-                        if t < N:
-                            col = T.if_then_else(n < mix, n, NT * 8)
-                            acc = Red[gi, 0, (v * ntg + tg) // (mix + 1), col]
-                            for w in T.serial(1, NW):
-                                acc = acc + Red[gi, w, (v * ntg + tg) // (mix + 1), col]
-                            B["WS"][bg, t, n] = acc
+            R = {"Fs": Fs, "Cos": Cos, "Red": Red, "ol": ol, "xo": xo, "st": st, "hf": hf, "xf": xf, "hv": hv,
+                 "sq": sq, "bf": bf, "Cc": Cc, "cv": cv}
+            args = (nb, vp, PV, gi, tg, q, lane, g, c, c0, bg)
+            if swap:  # two blocks per trip, the stream registers trading roles: no copy between them
+                for i2 in T.serial(T.ceildiv(nb, 2)):
+                    block(B, V, R, i2 * 2, xn, xl, *args, True)
+                    if i2 * 2 + 1 < nb:
+                        block(B, V, R, i2 * 2 + 1, xl, xn, *args, True)
+            else:
+                for i in T.serial(nb):
+                    block(B, V, R, i, xl, xn, *args, False)
 
     return names, _prim_func(names, S, body).with_attr(NO_SYNC_ATTR, 1)  # its two barriers are its own
 
