@@ -241,10 +241,10 @@ def test_cuda_build_lowers_for_sm90():
 
 
 def test_cuda_column_resident_lowers_for_sm90():
-    """The column-resident kernel (bf16 streams, D a multiple of 256): fn's slice split into shared memory
-    once, the streams read and written as 16-byte vectors of bf16 pairs straight from registers, and the mixes
-    GEMM as register-operand mma.sync (3 pieces x 3 n8 tiles x m streams x 2 k steps per 32
-    columns), for both mixing kinds."""
+    """The column-resident kernel (bf16 streams, D a multiple of 256): fn's slice split into shared
+    memory once, the streams read and written as 16-byte vectors of bf16 pairs straight from
+    registers, and the mixes GEMM as register-operand mma.sync (3 pieces x 3 n8 tiles x m streams
+    x 2 k steps per 32 columns), for both mixing kinds."""
     for kind in ("pre", "post_pre"):
         assert K.column_resident(kind, "bfloat16", 5120) and not K.column_resident(kind, "float32", 5120)
         src = _sm90_source(kind, "bfloat16")
