@@ -234,7 +234,7 @@ def test_cuda_build_lowers_for_sm90():
         src = _sm90_source("post_pre", dtype, d)
         assert "wgmma" in src and "__shfl_xor_sync" in src
         vec = "uint4" if dtype == "bfloat16" else "float4"
-        assert f"*({vec}*)(HN" in src and f"*({vec}*)(X" in src
+        assert f"*({vec}*)(xl" in src and f"*({vec}*)(HN" in src and f"*({vec}*)(X" in src
         assert "__fmul_rn" in src and "__fadd_rn" in src
         assert "fma" not in src  # no explicit fused multiply-add either
         assert "cp_async_gs_conditional<16>" in src and f"cp_async_wait<{K._STAGES - 1}>" in src

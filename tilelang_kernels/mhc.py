@@ -609,43 +609,6 @@ def _cuda_stream_prim_func(dtype, m, D):
     return names, _prim_func(names, S, body)
 
 
-def _fn_macros(m, D, dc=DC):
-    """(FU, load_fn, split_fn) of the staged mixing kernel, for one warpgroup of _MIX_THREADS threads
-    (tx its thread index in the group): fn's chunk of dc columns at column d0 of every stream as FU
-    float4 vectors per thread into registers fl, then into the shared GEMM operands Bs as three
-    bf16 pieces (bl: scratch)."""
-    mix, kc = 2 * m + m * m, m * dc
-    nfv = mix * kc // 4  # float4 vectors of fn per chunk
-    FU = -(-nfv // _MIX_THREADS)
-
-    def vectors(tx):
-        """(register slot, vector index, whether it exists) of the vectors this thread handles."""
-        for u in range(FU):
-            q = u * _MIX_THREADS + tx
-            yield u, q, (FU * _MIX_THREADS == nfv or q < nfv)
-
-    @T.macro
-    def load_fn(B, fl, tx, d0):
-        for u, q, ok in vectors(tx):
-            if ok:
-                for e in T.vectorized(4):
-                    fl[u, e] = B["FN"][q // (kc // 4), (q % (kc // 4)) * 4 // dc * D + d0
-                                       + (q % (kc // 4)) * 4 % dc + e]
-
-    @T.macro
-    def split_fn(fl, bl, Bs, tx):
-        for u, q, ok in vectors(tx):
-            if ok:
-                for e in T.unroll(4):
-                    for p, piece in enumerate(_bf16_pieces(fl[u, e], 3)):
-                        bl[p, e] = piece
-                for p in [0, 1, 2]:
-                    for e in T.vectorized(4):
-                        Bs[p][q // (kc // 4), (q % (kc // 4)) * 4 + e] = bl[p, e]
-
-    return FU, load_fn, split_fn
-
-
 def _cuda_mixes_prim_func(kind, dtype, m, D):
     """The streaming kernel with the mixes GEMM (module docstring, CUDA step 1)."""
     expand = kind == "post_pre"
@@ -663,7 +626,8 @@ def _cuda_mixes_prim_func(kind, dtype, m, D):
     npa = 1 if dtype == "bfloat16" else 3  # bf16 pieces of a stream value
     pieces = list(range(npa))
     pairs = [(a, b) for a in range(npa) for b in range(3) if a + b <= 2]
-    FU, load_fn, split_fn = _fn_macros(m, D)
+    nfv = mix * kc // 4  # float4 vectors of fn per chunk
+    FU = -(-nfv // _MIX_THREADS)
     ncf = (m + m * m if expand else 0) + m  # per-token coefficients: post, comb, pre_delayed
     src = "RES" if expand else "H"
     mul, add = _arith(True)
@@ -672,6 +636,29 @@ def _cuda_mixes_prim_func(kind, dtype, m, D):
     def row(B, r, t, c):
         """Element (t, c) of stream r of the source (r = m: y)."""
         return B["Y"][t, c] if r == m else B[src][t, r, c]
+
+    @T.macro
+    def load_fn(B, fl, tx, d0):
+        """fn's chunk at column d0 of every stream, as float4 vectors, into registers."""
+        for u in T.unroll(FU):
+            q = u * _MIX_THREADS + tx
+            if FU * _MIX_THREADS == nfv or q < nfv:
+                for e in T.vectorized(4):
+                    fl[u, e] = B["FN"][q // (kc // 4), (q % (kc // 4)) * 4 // DC * D + d0
+                                       + (q % (kc // 4)) * 4 % DC + e]
+
+    @T.macro
+    def split_fn(fl, bl, Bs, tx):
+        """fn's chunk into Bs as three bf16 pieces."""
+        for u in T.unroll(FU):
+            q = u * _MIX_THREADS + tx
+            if FU * _MIX_THREADS == nfv or q < nfv:
+                for e in T.unroll(4):
+                    for p, piece in enumerate(_bf16_pieces(fl[u, e], 3)):
+                        bl[p, e] = piece
+                for p in [0, 1, 2]:
+                    for e in T.vectorized(4):
+                        Bs[p][q // (kc // 4), (q % (kc // 4)) * 4 + e] = bl[p, e]
 
     @T.macro
     def issue_streams(B, St, stage, bt, tx, d0):
@@ -941,7 +928,7 @@ def _cuda_colres_prim_func(kind, m, D):
             T.sync_threads(1 + gi, ntg)  # bar.sync takes the barrier's id from a register
 
     @T.macro
-    def block(B, V, R, i, xl, xn, nb, vp, PV, gi, tg, q, lane, g, c, c0, bg, swap):
+    def block(B, V, R, i, xl, xn, nb, vp, PV, gi, tg, q, lane, g, c, c0, bg):
         """Block number i of the group's blocks: its streams in xl (with the load-ahead: the next
         block's go to xn; copied from xn first unless `swap`, where the caller alternates the two)."""
         Fs, Cos, Red, ol, xo, st = R["Fs"], R["Cos"], R["Red"], R["ol"], R["xo"], R["st"]
@@ -1102,14 +1089,14 @@ def _cuda_colres_prim_func(kind, m, D):
             args = (nb, vp, PV, gi, tg, q, lane, g, c, c0, bg)
             if swap:  # two blocks per trip, the stream registers trading roles: no copy between them
                 for i2 in T.serial(T.ceildiv(nb, 2)):
-                    block(B, V, R, i2 * 2, xn, xl, *args, True)
+                    block(B, V, R, i2 * 2, xn, xl, *args)
                     if i2 * 2 + 1 < nb:
-                        block(B, V, R, i2 * 2 + 1, xl, xn, *args, True)
+                        block(B, V, R, i2 * 2 + 1, xl, xn, *args)
             else:
                 for i in T.serial(nb):
-                    block(B, V, R, i, xl, xn, *args, False)
+                    block(B, V, R, i, xl, xn, *args)
 
-    return names, _prim_func(names, S, body).with_attr(NO_SYNC_ATTR, 1)  # its two barriers are its own
+    return names, _prim_func(names, S, body).with_attr(NO_SYNC_ATTR, 1)  # it places all its barriers
 
 
 def _cuda_finalize_prim_func(m, D, norm_eps, hc_eps, iters):
