@@ -244,36 +244,40 @@ def test_cuda_column_resident_lowers_for_sm90():
     """The column-resident kernel (bf16 streams, D a multiple of 256): fn's slice split into shared
     memory once, the streams read and written as 16-byte vectors of bf16 pairs straight from
     registers, and the mixes GEMM as register-operand mma.sync (3 pieces x 3 n8 tiles x m streams
-    x 2 k steps per 32 columns), for both mixing kinds."""
+    x 2 k steps per 32 columns), for both mixing kinds: post_pre with one group of 8 warps per CTA
+    and CTA-wide barriers, pre with two groups, each behind its own named barrier."""
     for kind in ("pre", "post_pre"):
         assert K.column_resident(kind, "bfloat16", 5120) and not K.column_resident(kind, "float32", 5120)
         src = _sm90_source(kind, "bfloat16")
         assert src.count("tl::mma_sync<") == 3 and "tma_load" not in src and "wgmma" not in src
         assert "*(uint4*)(((uint*)X)" in src and ("*(uint4*)(((uint*)HN)" in src) == (kind == "post_pre")
         assert "cvt.rn.bf16x2.f32" in src  # two values rounded into one word of the stream
-        assert "__fmul_rn" in src and "__fadd_rn" in src and src.count("__syncthreads()") == 2
+        assert "__fmul_rn" in src and "__fadd_rn" in src
+        if kind == "pre":
+            assert "__launch_bounds__(512, 1)" in src
+            assert src.count("__sync_thread_partial(") == 2 and src.count("__syncthreads()") == 1
+        else:
+            assert "__launch_bounds__(256, 1)" in src
+            assert "__sync_thread_partial(" not in src and src.count("__syncthreads()") == 2
 
 
-@pytest.mark.parametrize("prefetch", (0, 1))
-def test_cuda_column_resident_groups_lower_for_sm90(prefetch, monkeypatch):
-    """The column-resident kernel's tuning variants build (so `benchmarks/mhc.py --set` can time
-    them): two groups of 8 warps per CTA, each on its own token blocks behind its own named
-    barrier, with and without the next block loaded ahead."""
-    monkeypatch.setattr(K, "_CR_GROUPS", 2)
-    monkeypatch.setattr(K, "_CR_PREFETCH", prefetch)
-    for kind in ("pre", "post_pre"):
-        src = _sm90_source(kind, "bfloat16")
-        assert "__launch_bounds__(512, 1)" in src and src.count("tl::mma_sync<") == 3
-        assert src.count("__sync_thread_partial(") == 2 and src.count("__syncthreads()") == 1
+def _cr_tuning(monkeypatch, kind, groups, prefetch):
+    suffix = kind.upper()
+    monkeypatch.setattr(K, f"_CR_GROUPS_{suffix}", groups)
+    monkeypatch.setattr(K, f"_CR_PREFETCH_{suffix}", prefetch)
 
 
-def test_cuda_column_resident_swap_lowers_for_sm90(monkeypatch):
-    """`_CR_SWAP`: the block loop's body twice, the two stream register sets trading roles, and
-    no copy from one to the other."""
-    monkeypatch.setattr(K, "_CR_SWAP", 1)
-    src = _sm90_source("pre", "bfloat16")
-    assert src.count("tl::mma_sync<") == 6 and src.count("__syncthreads()") == 4
-    assert "xl[" in src and "xn[" in src and not re.search(r"\bx[ln]\[[^;]*\] = x[ln]\[", src)
+@pytest.mark.parametrize("groups,prefetch", ((1, 0), (1, 1), (2, 0), (2, 1)))
+@pytest.mark.parametrize("kind", ("pre", "post_pre"))
+def test_cuda_column_resident_tunings_lower_for_sm90(kind, groups, prefetch, monkeypatch):
+    """Every tuning of the column-resident kernel builds (so `benchmarks/mhc.py --set` can time
+    it): one or two groups of 8 warps per CTA, with and without the next block loaded ahead."""
+    _cr_tuning(monkeypatch, kind, groups, prefetch)
+    src = _sm90_source(kind, "bfloat16")
+    assert f"__launch_bounds__({256 * groups}, 1)" in src and src.count("tl::mma_sync<") == 3
+    assert src.count("__sync_thread_partial(") == (2 if groups == 2 else 0)
+    # the load-ahead copies the next block's words into the current ones at the top of the loop
+    assert bool(re.search(r"\bxl\[[^;]*\] = xn\[", src)) == bool(prefetch)
 
 
 def test_cuda_post_collapse_lowers_for_sm90():
@@ -308,15 +312,12 @@ def test_cuda_column_resident_matches_refs(kind):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("groups,prefetch,swap", ((1, 0, 0), (2, 0, 0), (2, 1, 0), (1, 1, 1)))
+@pytest.mark.parametrize("groups,prefetch", ((1, 0), (1, 1), (2, 0), (2, 1)))
 @pytest.mark.parametrize("kind", ("pre", "post_pre"))
-def test_cuda_column_resident_variants_match_refs(kind, groups, prefetch, swap, monkeypatch):
-    """The column-resident kernel's tuning variants (`_CR_GROUPS`, `_CR_PREFETCH`, `_CR_SWAP`)
-    against the refs, T up to 4099 (with two groups, some groups of the last CTA have no block;
-    with the swap, an odd number of blocks ends on the loop's first half)."""
-    monkeypatch.setattr(K, "_CR_GROUPS", groups)
-    monkeypatch.setattr(K, "_CR_PREFETCH", prefetch)
-    monkeypatch.setattr(K, "_CR_SWAP", swap)
+def test_cuda_column_resident_tunings_match_refs(kind, groups, prefetch, monkeypatch):
+    """Every tuning of the column-resident kernel (`_CR_GROUPS_*`, `_CR_PREFETCH_*`) against the
+    refs, T up to 4099 (with two groups, some groups of the last CTA have no block)."""
+    _cr_tuning(monkeypatch, kind, groups, prefetch)
     K.build.cache_clear()  # builds are cached per op key, which does not name the tuning
     try:
         for n in (1, 7, 77, 4099):

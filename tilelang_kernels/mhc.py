@@ -35,8 +35,9 @@ CUDA (sm_90a: wgmma needs the arch-specific target).
      (`_cuda_colres_prim_func`): each CTA keeps fn's slice for 256 columns in shared memory, split
      once into three bf16 pieces, for every token it sees; the streams go global -> registers ->
      global as words of two bf16, and the mixes GEMM is register-operand mma.sync on those words.
-     On an H200: post_pre 60% / 66% of the bound at T = 4096 / 65536, pre 44% / 53%; T = 1 takes
-     14 / 12 us for the two launches (BENCHMARKS.md).  (A warp-specialised kernel, a TMA ring
+     On an H200: post_pre 60% / 66% of the bound at T = 4096 / 65536, pre 48% / 58% (two groups
+     of warps per CTA, `_CR_GROUPS_PRE`); T = 1 takes 14 / 12 us for the two launches
+     (BENCHMARKS.md).  (A warp-specialised kernel, a TMA ring
      with streaming warpgroups and a producer/GEMM warpgroup meeting at mbarriers, reached 56% /
      63% for post_pre and was removed: its ring read 128-byte pieces of rows 10 KB apart.)
      Otherwise (fp32 streams, other widths) the staged
@@ -106,12 +107,14 @@ _CTAS_PER_SM = 2  # CUDA: resident mixes CTAs per H200 SM (shared memory: 86 KB 
 _CR_W = 256  # CUDA column-resident mixing kernel: columns of each stream per CTA (fn's slice stays in
 #               shared memory), one warp per 32
 _CR_WAVES = 2  # CUDA column-resident mixing kernel: at most this many waves of CTAs (at one per SM)
-_CR_GROUPS = 1  # CUDA column-resident mixing kernel: groups of _CR_W / 32 warps per CTA, each on its own
-#                token blocks, sharing fn's slice (2: 16 warps, at most 128 registers each)
-_CR_PREFETCH = 1  # CUDA column-resident mixing kernel: 1: the next block's streams load while this one
-#                   is computed (registers for two blocks); 0: each block loads, then computes
-_CR_SWAP = 0  # CUDA column-resident mixing kernel, with _CR_PREFETCH: 1: two stream register sets that
-#               trade roles block by block (the loop body twice), instead of a copy from one to the other
+# CUDA column-resident mixing kernel, per op (timed on an H200, BENCHMARKS.md "mHC kernels"):
+# groups of _CR_W / 32 warps per CTA, each on its own token blocks, sharing fn's slice (2: 16 warps,
+# at most 128 registers each); prefetch 1: the next block's streams load while this one is computed
+# (registers for two blocks), 0: each block loads, then computes
+_CR_GROUPS_PRE = 2
+_CR_PREFETCH_PRE = 0
+_CR_GROUPS_POST_PRE = 1
+_CR_PREFETCH_POST_PRE = 1
 _SMS = 132  # H200 SMs
 
 
@@ -844,19 +847,14 @@ def _cuda_colres_prim_func(kind, m, D):
     a row.  The products of the lo, mid and hi pieces accumulate from zero on the tensor cores;
     the warps' totals are then added in warp order with IEEE adds (through shared memory), as the
     staged kernel adds its chunks, and written with the sums of squares to the workspace
-    [G, T, 32] for the finalize kernel.  The CTA's two barriers are its own (TileLang inserts none).
-    248 registers, no spills: one CTA of 8 warps per SM.
+    [G, T, 32] for the finalize kernel.  The CTA's barriers are its own (TileLang inserts none).
 
-    Tuning variants, built (and with a GPU test against the refs), not yet run on a GPU:
-    `_CR_GROUPS` = 2 puts two such groups of warps in a CTA, each on its own 16-token blocks behind
-    its own named barrier, sharing fn's slice: 16 warps per SM at 128 registers.  `_CR_PREFETCH`
-    = 0 loads each block just before computing it (no second set of stream registers).
-    `_CR_SWAP` = 1 runs the block loop's body twice per trip, the two stream register sets trading
-    roles: in the default pre build ptxas gives the copy's source and destination one register
-    set, so the next block's loads wait until the collapse has read the current one (they sit
-    after it in the SASS, 254 instructions into the 673 of the loop, where post_pre's are at 59);
-    with the swap they go out right after the barrier (pre: 747 instructions per block, 220
-    registers; post_pre spills)."""
+    Tuning, per op (`_CR_GROUPS_*`, `_CR_PREFETCH_*`): post_pre runs one group of 8 warps per CTA
+    with the next block's streams loaded ahead (248 registers, no spills: one CTA per SM); pre runs
+    two such groups per CTA, each on its own 16-token blocks behind its own named barrier and
+    sharing fn's slice, each block loaded just before it is computed: 16 warps per SM at 128
+    registers.  Timed side by side on an H200, pre gained 4-6 points of the bound that way and
+    post_pre lost 7-12 (it spills at 128 registers)."""
     expand = kind == "post_pre"
     dtype = "bfloat16"
     names = _PARAMS[kind, "main"]
@@ -871,8 +869,8 @@ def _cuda_colres_prim_func(kind, m, D):
     src = "RES" if expand else "H"
     pmax = max(1, _CR_WAVES * _SMS // G)
     nfv = NT * 8 * m * W // 4  # float4 vectors of fn's slice
-    NG, prefetch = _CR_GROUPS, bool(_CR_PREFETCH)
-    swap = prefetch and bool(_CR_SWAP)
+    NG, prefetch = (_CR_GROUPS_POST_PRE, bool(_CR_PREFETCH_POST_PRE)) if expand else \
+        (_CR_GROUPS_PRE, bool(_CR_PREFETCH_PRE))
     ntg = 32 * NW  # threads per group
     nth = NG * ntg
     assert W % 32 == 0 and D % W == 0 and 1 <= NG <= 15
@@ -929,18 +927,17 @@ def _cuda_colres_prim_func(kind, m, D):
 
     @T.macro
     def block(B, V, R, i, xl, xn, nb, vp, PV, gi, tg, q, lane, g, c, c0, bg):
-        """Block number i of the group's blocks: its streams in xl (with the load-ahead: the next
-        block's go to xn; copied from xn first unless `swap`, where the caller alternates the two)."""
+        """Block number i of the group's blocks: its streams in xl (with the load-ahead: copied from
+        xn first, where the previous block loaded them, and the next block's go to xn)."""
         Fs, Cos, Red, ol, xo, st = R["Fs"], R["Cos"], R["Red"], R["ol"], R["xo"], R["st"]
         hf, xf, hv, sq, bf, Cc, cv = R["hf"], R["xf"], R["hv"], R["sq"], R["bf"], R["Cc"], R["cv"]
         acc = T.alloc_var("float32")
         blk = vp + i * PV
         if prefetch:
-            if not swap:
-                for r in T.unroll(2):
-                    for j in rows:
-                        for w in T.unroll(4):
-                            xl[r, j, w] = xn[r, j, w]
+            for r in T.unroll(2):
+                for j in rows:
+                    for w in T.unroll(4):
+                        xl[r, j, w] = xn[r, j, w]
             group_sync(gi)  # Cos[gi, i % 2] stashed; Red[gi] read by the previous block's sums
             if i + 1 < nb:  # the next block travels while this one is computed
                 load_streams(V, xn, blk + PV, c0 // 2, g)
@@ -1087,14 +1084,8 @@ def _cuda_colres_prim_func(kind, m, D):
             R = {"Fs": Fs, "Cos": Cos, "Red": Red, "ol": ol, "xo": xo, "st": st, "hf": hf, "xf": xf, "hv": hv,
                  "sq": sq, "bf": bf, "Cc": Cc, "cv": cv}
             args = (nb, vp, PV, gi, tg, q, lane, g, c, c0, bg)
-            if swap:  # two blocks per trip, the stream registers trading roles: no copy between them
-                for i2 in T.serial(T.ceildiv(nb, 2)):
-                    block(B, V, R, i2 * 2, xn, xl, *args)
-                    if i2 * 2 + 1 < nb:
-                        block(B, V, R, i2 * 2 + 1, xl, xn, *args)
-            else:
-                for i in T.serial(nb):
-                    block(B, V, R, i, xl, xn, *args)
+            for i in T.serial(nb):
+                block(B, V, R, i, xl, xn, *args)
 
     return names, _prim_func(names, S, body).with_attr(NO_SYNC_ATTR, 1)  # it places all its barriers
 
