@@ -140,7 +140,10 @@ def measure(name: str, model: Transformer, a: argparse.Namespace, gen: torch.Gen
         msg = str(err).strip()
         out[key] = None
         out[f"{key}_error"] = f"{type(err).__name__}: {msg.splitlines()[0][:300] if msg else ''}"
+        out[f"{key}_error_detail"] = msg[:20000]     # a C++ compile error's first line names no cause
         print(f"  {name}: {key} FAILED: {out[f'{key}_error']}", flush=True)
+        for line in [ln for ln in msg.splitlines()[1:] if "error" in ln.lower()][:20]:
+            print(f"    {line[:400]}", flush=True)
         save()
     if a.prefill_len:
         ids = torch.randint(0, vocab, (1, a.prefill_len), generator=gen).to(a.device)

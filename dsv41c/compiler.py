@@ -17,9 +17,12 @@ Inductor's joint-graph and post-grad passes with our pipeline among them):
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,6 +30,7 @@ from torch import fx
 
 from dsv41c.errors import InputError
 from dsv41c.model import Transformer
+from dsv41c.moe import Experts
 from dsv41c.passes import provenance
 from dsv41c.passes.manager import GraphPass, PassPipeline, PassStats, build_pipeline
 
@@ -54,6 +58,41 @@ INDUCTOR_WORKAROUNDS = {"triton.coalesce_tiling_analysis": False, "triton.autotu
 #   softmax). Off, the package is 0.0067 (BENCHMARKS.md, cold start). Applied to `cpp_wrapper=True`
 #   as well, since it launches the kernels the same way; not measured there. Triton only.
 CPP_WRAPPER_WORKAROUNDS = {"triton.persistent_reductions": False}
+
+
+@functools.cache
+def aoti_has_shim(op: str, device_type: str) -> bool:
+    """Whether the installed torch's C++ wrapper code (AOTInductor, `cpp_wrapper`) declares a C shim
+    for aten `op` on `device_type`. Inductor's codegen emits a shim call for every op it knows one
+    for, but the headers a torch build ships can lack one (torch 2.11's CUDA shims have no
+    `_grouped_mm`: the generated code then fails to compile, seen on an H200 in both)."""
+    header = (Path(torch.__file__).parent / "include" / "torch" / "csrc" / "inductor" / "aoti_torch" / "generated"
+              / f"c_shim_{device_type}.h")
+    try:
+        return f"aoti_torch_{device_type}_{op}(" in header.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return False
+
+
+def experts_without_shim(model: Transformer) -> list[Experts]:
+    """The model's expert modules, if the C++ wrapper code for its device has no `_grouped_mm` shim
+    (for those, `opaque_grouped_mm`), else none."""
+    if aoti_has_shim("_grouped_mm", model.device.type):
+        return []
+    return [m for m in model.modules() if isinstance(m, Experts)]
+
+
+@contextlib.contextmanager
+def opaque_grouped_mm(experts: Sequence[Experts]) -> Iterator[None]:
+    """`experts` run their grouped GEMMs through the opaque `dsv41c::grouped_mm` (bit-identical;
+    called through the dispatcher from C++) while the context is open; the class default after."""
+    for m in experts:
+        m.opaque_grouped_mm = True
+    try:
+        yield
+    finally:
+        for m in experts:
+            m.__dict__.pop("opaque_grouped_mm", None)
 
 
 # Inductor keeps a fused kernel's intermediates in fp32 where eager rounds each op's output to the
@@ -227,6 +266,8 @@ class CompiledModel:
         if backend not in BACKENDS:
             raise InputError(f"backend: expected one of {BACKENDS}, found {backend!r}")
         self.model, self.backend, self.cpp_wrapper = model, backend, cpp_wrapper
+        # traced and run through `dsv41c::grouped_mm` where the C++ wrapper has no shim for the aten op
+        self._opaque_experts = experts_without_shim(model) if cpp_wrapper else []
         self.pipeline = build_pipeline(passes, strict) if passes else PassPipeline([], strict)
         self.pipeline.bind(model)
         self.observe = observe or keep_code
@@ -260,7 +301,8 @@ class CompiledModel:
         with torch.no_grad(), \
                 torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, specialize_float=True), \
                 torch._functorch.config.patch(enable_autograd_cache=not self.observe), \
-                torch._inductor.config.patch(self._options()):
+                torch._inductor.config.patch(self._options()), \
+                opaque_grouped_mm(self._opaque_experts):
             out = self._fn(input_ids, start_pos, full_logits, return_hidden)
         if self.graphs != graphs:
             self.compile_seconds += time.perf_counter() - t0

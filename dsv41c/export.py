@@ -64,12 +64,12 @@ import torch
 from torch import nn
 
 from dsv41c.cache import ModelCache
-from dsv41c.compiler import CPP_WRAPPER_WORKAROUNDS, DEFAULT_PASSES, inductor_options
+from dsv41c.compiler import (CPP_WRAPPER_WORKAROUNDS, DEFAULT_PASSES, experts_without_shim, inductor_options,
+                             opaque_grouped_mm)
 from dsv41c.config import ModelArgs, build_layer_plan
 from dsv41c.errors import ArtifactError, InputError
 from dsv41c.golden import QUANT_RUNNER_BOUND, RUNNER_BOUND, file_sha256, relative_error
 from dsv41c.model import Transformer, check_token_range
-from dsv41c.moe import Experts
 from dsv41c.passes.manager import build_pipeline
 from dsv41c.tokenizer import Tokenizer
 
@@ -457,41 +457,34 @@ def export(model: Transformer, out: str | os.PathLike, passes: Sequence[str] | N
     specs = program_specs()
     # bound before tracing: a pass may change what the model holds (fp4_kv: packed caches)
     build_pipeline(names, strict).bind(model)
-    experts = [m for m in model.modules() if isinstance(m, Experts)]
     caches = [b.detach().clone() for n, b in model.named_buffers() if n.startswith(CACHE_PREFIX)]
     weights = WeightStore()
-    try:
-        with built_in_place(out) as tmp:
-            if experts and not aoti_has_shim("_grouped_mm", model.device.type):
-                # (tracing one GEMM per expert instead, as before, gave the prefill an unbacked size
-                # per expert and layer, nearly twice the graph and twice the AOTInductor compile time
-                # (BENCHMARKS.md), and a package that synchronised with the host on every expert)
-                for m in experts:
-                    m.opaque_grouped_mm = True
-            custom_ops: set[str] = set()
-            uuid = build_pipeline(names, strict).uuid()
-            for spec in specs:
-                stage(f"torch.export of {spec.file}")
-                with torch.no_grad():
-                    ep, (spec.lo, spec.hi) = _export_program(model, spec, caches, max_prompt_len)
-                stage(f"AOTInductor compile of {spec.file}")
-                with pipeline_installed(model, names, strict) as (pipeline, options):
-                    spec.constants = compile_package(ep, tmp / spec.file, {**options, **WEIGHTS_OUTSIDE}, weights)
-                spec.pass_matches = {s.name: s.matches for s in pipeline.stats.values()}
-                spec.code_sha256 = code_digest(tmp / spec.file)
-                custom_ops |= set(_custom_ops(tmp / spec.file))
-            stage(f"writing {WEIGHTS_FILE}, the tokenizer and the manifest")
-            safetensors.torch.save_file(weights.tensors, str(tmp / WEIGHTS_FILE))
-            del weights
-            model.tokenizer.backend.save(str(tmp / TOKENIZER_FILE))
-            manifest = _manifest(model, specs, names, strict, uuid, sorted(custom_ops), source, target, tmp)
-            (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-            stage("checking the artifact against the model, loaded in a fresh process")
-            manifest["check"] = check_artifact(tmp, model, manifest["bounds"], check_bound(model, names))
-            (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-    finally:
-        for m in experts:
-            m.__dict__.pop("opaque_grouped_mm", None)  # back to the class default
+    # the experts' grouped GEMMs opaque where the device's C shims lack `_grouped_mm` (tracing one GEMM
+    # per expert instead, as before, gave the prefill an unbacked size per expert and layer, nearly
+    # twice the graph and twice the AOTInductor compile time (BENCHMARKS.md), and a package that
+    # synchronised with the host on every expert)
+    with opaque_grouped_mm(experts_without_shim(model)), built_in_place(out) as tmp:
+        custom_ops: set[str] = set()
+        uuid = build_pipeline(names, strict).uuid()
+        for spec in specs:
+            stage(f"torch.export of {spec.file}")
+            with torch.no_grad():
+                ep, (spec.lo, spec.hi) = _export_program(model, spec, caches, max_prompt_len)
+            stage(f"AOTInductor compile of {spec.file}")
+            with pipeline_installed(model, names, strict) as (pipeline, options):
+                spec.constants = compile_package(ep, tmp / spec.file, {**options, **WEIGHTS_OUTSIDE}, weights)
+            spec.pass_matches = {s.name: s.matches for s in pipeline.stats.values()}
+            spec.code_sha256 = code_digest(tmp / spec.file)
+            custom_ops |= set(_custom_ops(tmp / spec.file))
+        stage(f"writing {WEIGHTS_FILE}, the tokenizer and the manifest")
+        safetensors.torch.save_file(weights.tensors, str(tmp / WEIGHTS_FILE))
+        del weights
+        model.tokenizer.backend.save(str(tmp / TOKENIZER_FILE))
+        manifest = _manifest(model, specs, names, strict, uuid, sorted(custom_ops), source, target, tmp)
+        (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+        stage("checking the artifact against the model, loaded in a fresh process")
+        manifest["check"] = check_artifact(tmp, model, manifest["bounds"], check_bound(model, names))
+        (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     return out
 
 
@@ -622,19 +615,6 @@ def check_artifact(root: Path, model: Transformer, bounds: dict, bound: float) -
                             f"{n if n == n_example else f'{n} and {n_example}'} seeded tokens); nothing was "
                             f"written. torch {torch.__version__}, {target_of(model.device)}")
     return {"prompt_len": n, "example_prompt_len": n_example, "bound": bound, "relative_error": errors}
-
-
-def aoti_has_shim(op: str, device_type: str) -> bool:
-    """Whether the installed torch's AOTInductor declares a C shim for aten `op` on `device_type`.
-    Inductor's codegen emits a shim call for every op it knows one for, but the headers a torch
-    build ships can lack one (torch 2.11's CUDA shims have no `_grouped_mm`: the package then fails
-    to compile, seen on an H200)."""
-    header = (Path(torch.__file__).parent / "include" / "torch" / "csrc" / "inductor" / "aoti_torch" / "generated"
-              / f"c_shim_{device_type}.h")
-    try:
-        return f"aoti_torch_{device_type}_{op}(" in header.read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return False
 
 
 def _manifest(model: Transformer, specs: list[ProgramSpec], passes: list[str], strict: bool, uuid: str,

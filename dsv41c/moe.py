@@ -124,8 +124,9 @@ class Experts(nn.Module):
         out = proj("w2", (route.reshape(-1, 1) * h).to(x.dtype))
         return out.view(n, k, -1)
 
-    # True while `dsv41c.export` traces for a device whose AOTInductor C shims lack `_grouped_mm`:
-    # the same GEMMs through the opaque `dsv41c::grouped_mm`
+    # True while C++ wrapper code is traced (`dsv41c.export`, `dsv41c.compile(cpp_wrapper=True)`) for a
+    # device whose C shims lack `_grouped_mm`: the same GEMMs through the opaque `dsv41c::grouped_mm`
+    # (`compiler.opaque_grouped_mm`)
     opaque_grouped_mm = False
 
     def groupable(self, x: torch.Tensor) -> bool:

@@ -88,3 +88,25 @@ def test_a_bf16_model_compiled_rounds_where_eager_does():
     compiled = dsv41c_compile(bf16)(ids, 0).float()
     assert golden.relative_error(compiled, fp32) <= 2e-2
     assert golden.relative_error(compiled, eager) <= 1e-3, golden.relative_error(compiled, eager)
+
+
+def test_cpp_wrapper_without_a_grouped_mm_shim_traces_the_opaque_grouped_mm(monkeypatch):
+    """torch 2.11's CUDA shims have no `_grouped_mm`, so C++ wrapper code that calls the aten op does
+    not compile (bench.json decode on an H200). Where the shim is missing, `cpp_wrapper=True`
+    traces the experts' GEMMs as `dsv41c::grouped_mm` (bit-identical, called through the
+    dispatcher), for the compiled calls only. Here on the CPU, with the shim reported missing, in
+    the graph the passes see (passes_only: no code generation)."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(dsv41c.compiler, "aoti_has_shim", lambda op, device_type: op != "_grouped_mm")
+    args = first_four_args()
+    model = dsv41c.build_model(args, seed=0, dtype=torch.bfloat16)
+    experts = dsv41c.compiler.experts_without_shim(model)
+    assert experts
+    compiled = dsv41c_compile(model, backend="passes_only", cpp_wrapper=True, keep_code=True)
+    ids = torch.randint(0, args.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
+    got = compiled(ids, 0)
+    code = compiled.snapshots[-1].code
+    assert "torch.ops.dsv41c.grouped_mm.default" in code and "aten._grouped_mm" not in code
+    assert not any(m.opaque_grouped_mm for m in experts)       # the class default outside the call
+    model.reset_cache()
+    assert torch.equal(got, model(ids, 0))

@@ -558,14 +558,15 @@ def test_without_a_grouped_mm_shim_the_experts_go_through_the_opaque_grouped_mm(
         seen.append([m.opaque_grouped_mm for m in experts])
         raise RuntimeError("stop before tracing")
 
-    monkeypatch.setattr(E, "aoti_has_shim", lambda op, device_type: op != "_grouped_mm")
+    monkeypatch.setattr(dsv41c.compiler, "aoti_has_shim", lambda op, device_type: op != "_grouped_mm")
     monkeypatch.setattr(E, "_export_program", first_program)
     with pytest.raises(RuntimeError, match="stop before"):
         dsv41c.export(model, tmp_path / "artifact")
     assert seen == [[True] * len(experts)]
     assert not any(m.opaque_grouped_mm for m in experts) and not (tmp_path / "artifact").exists()
     monkeypatch.undo()
-    assert E.aoti_has_shim("_grouped_mm", "cpu") and not E.aoti_has_shim("no_such_op", "cpu")
+    has_shim = dsv41c.compiler.aoti_has_shim
+    assert has_shim("_grouped_mm", "cpu") and not has_shim("no_such_op", "cpu")
 
 
 def test_the_opaque_grouped_mm_is_the_grouped_gemm():
@@ -713,28 +714,24 @@ def check_a_package_with_its_constants_inside(device: str, tmp_path: Path, width
     binding. Returns its relative max-abs error against eager on a seeded 24-token prompt."""
     from torch._inductor import aoti_compile_and_package, aoti_load_package
 
+    from dsv41c.compiler import experts_without_shim, opaque_grouped_mm
     from dsv41c.golden import relative_error
-    from dsv41c.moe import Experts
     E = export_module
     model = dsv41c.build_model(first_four_args(widths), seed=0, dtype=torch.bfloat16, device=device)
-    experts = [m for m in model.modules() if isinstance(m, Experts)]
-    for m in experts:
-        m.opaque_grouped_mm = not E.aoti_has_shim("_grouped_mm", device)
     caches = [b.detach().clone() for name, b in model.named_buffers() if name.startswith(E.CACHE_PREFIX)]
-    with torch.no_grad():
-        ep, _ = E._export_program(model, E.ProgramSpec("prefill", 1, 0, "prefill.pt2"), caches, MAX_PROMPT)
-    with E.pipeline_installed(model, DEFAULT_PASSES, False) as (_, options):
-        path = aoti_compile_and_package(ep, package_path=str(tmp_path / "prefill.pt2"), inductor_configs=options)
-    E.share_libstdcxx()
-    runner = aoti_load_package(path)
-    ids = torch.randint(0, model.args.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0)).to(device)
-    model.reset_cache()
-    fresh = [b.detach().clone() for name, b in model.named_buffers() if name.startswith(E.CACHE_PREFIX)]
-    with torch.no_grad():
-        got = runner(*E.prefill_inputs(ids, 1), fresh).float()
-        want = model(ids, 0).float()
-    for m in experts:
-        m.__dict__.pop("opaque_grouped_mm", None)
+    with opaque_grouped_mm(experts_without_shim(model)):
+        with torch.no_grad():
+            ep, _ = E._export_program(model, E.ProgramSpec("prefill", 1, 0, "prefill.pt2"), caches, MAX_PROMPT)
+        with E.pipeline_installed(model, DEFAULT_PASSES, False) as (_, options):
+            path = aoti_compile_and_package(ep, package_path=str(tmp_path / "prefill.pt2"), inductor_configs=options)
+        E.share_libstdcxx()
+        runner = aoti_load_package(path)
+        ids = torch.randint(0, model.args.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0)).to(device)
+        model.reset_cache()
+        fresh = [b.detach().clone() for name, b in model.named_buffers() if name.startswith(E.CACHE_PREFIX)]
+        with torch.no_grad():
+            got = runner(*E.prefill_inputs(ids, 1), fresh).float()
+            want = model(ids, 0).float()
     return relative_error(got.cpu(), want.cpu())
 
 
@@ -756,5 +753,5 @@ def test_a_bf16_export_with_engram_and_no_grouped_mm_shim_loads_in_a_fresh_proce
     """Opt-in (an AOTInductor compile): the GPU test's configuration on the CPU, with the
     `_grouped_mm` shim reported missing as torch 2.11's CUDA headers do, so the experts take the
     path the H200 export takes (`dsv41c::grouped_mm` through the proxy executor)."""
-    monkeypatch.setattr(export_module, "aoti_has_shim", lambda op, dev: op != "_grouped_mm")
+    monkeypatch.setattr(dsv41c.compiler, "aoti_has_shim", lambda op, dev: op != "_grouped_mm")
     check_a_bf16_engram_export("cpu", tmp_path)
