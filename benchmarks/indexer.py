@@ -2,7 +2,11 @@
 plus the top-k and the candidate funnel, against eager torch, `torch.compile` of the eager
 reference, and the bytes-moved bound.
 
-    python3 benchmarks/indexer.py [--batch 1 32] [--context 8192 65536 262144] [--json OUT.json]
+    python3 benchmarks/indexer.py [--batch 1 32] [--context 8192 65536 262144] [--set NAME=VALUE ...]
+                                  [--json OUT.json]
+
+--set overrides an integer constant of tilelang_kernels/indexer.py before the first build (for
+example `--set _ONE_MUL_DECODE=1`, a scoring variant); the table's header repeats the overrides.
 
 One decode step per sequence (S = 1) at the released indexer dims: H_I = 32 heads x d_I = 128,
 n = context index keys (ratio 1: the candidate source), top-k 512, 2048 candidate blocks of 8.
@@ -38,6 +42,7 @@ from quant import (  # benchmarks/ is the script's path: the codec benchmark's t
     bench,
     bench_graph,
     copy_bandwidth,
+    tuning,
 )
 
 H, D = 32, 128
@@ -107,8 +112,11 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=2048)
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile of the eager functions")
     ap.add_argument("--no-eager", action="store_true", help="skip the eager timings")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                    help="override an integer constant of tilelang_kernels/indexer.py (a kernel variant)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
+    overrides = tuning(K, a.set)
     torch.manual_seed(0)
     copy_gbs = copy_bandwidth()
     comp_score = None if a.no_compile else torch.compile(eager_score, dynamic=False)
@@ -160,7 +168,8 @@ def main() -> None:
             del caches
             torch.cuda.empty_cache()
     print(f"\ndevice: {torch.cuda.get_device_name()}, copy bandwidth {copy_gbs:.0f} GB/s (4 GiB device-to-device, "
-          f"read + write); H_I = {H} x d_I = {D}, top-k {a.topk}, {a.blocks} candidate blocks of {K.BLOCK}\n")
+          f"read + write); H_I = {H} x d_I = {D}, top-k {a.topk}, {a.blocks} candidate blocks of {K.BLOCK}"
+          f"{'; overrides ' + ', '.join(f'{k}={v}' for k, v in overrides.items()) if overrides else ''}\n")
     print("| variant | B | context | MB moved | TileLang us | % bound | in a CUDA graph us | % bound | eager us | x eager | compile us "
           "| compile % bound | x compile | top-k exact |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -173,7 +182,8 @@ def main() -> None:
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"copy_gb_s": copy_gbs, "device": torch.cuda.get_device_name(), "heads": H, "head_dim": D,
-                       "topk": a.topk, "candidate_blocks": a.blocks, "rows": rows}, fh, indent=2)
+                       "topk": a.topk, "candidate_blocks": a.blocks, "overrides": overrides, "rows": rows}, fh,
+                      indent=2)
 
 
 if __name__ == "__main__":

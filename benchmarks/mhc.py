@@ -29,6 +29,7 @@ from quant import (  # benchmarks/ is the script's path: the codec benchmark's t
     bench,
     bench_graph,
     copy_bandwidth,
+    tuning,
 )
 
 HC = {"norm_eps": 1e-20, "hc_eps": 1e-6, "iters": 20}
@@ -105,23 +106,6 @@ def measure(op, n, m, d, compiled, copy_gbs, floor_ms):
             "launch_floor_ms": floor_ms, "streams_bit_exact": exact, "mixes_max_abs": mix_err}
 
 
-def tuning(assignments: list[str]) -> dict[str, int]:
-    """Apply `NAME=VALUE` overrides to tilelang_kernels/mhc.py's integer tuning constants (module
-    attributes in capitals, with or without a leading underscore); returns them.  Must run before
-    the first build: the builds are cached per process."""
-    out = {}
-    for a in assignments:
-        name, sep, value = a.partition("=")
-        if not sep or not name.lstrip("_").isupper() or not isinstance(getattr(K, name, None), int):
-            raise SystemExit(f"--set {a!r}: not NAME=VALUE with NAME an integer constant of tilelang_kernels/mhc.py")
-        try:
-            out[name] = int(value)
-        except ValueError:
-            raise SystemExit(f"--set {a!r}: {value!r} is not an integer") from None
-        setattr(K, name, out[name])
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dim", type=int, default=5120)
@@ -133,7 +117,7 @@ def main() -> None:
                     help="override an integer tuning constant of tilelang_kernels/mhc.py")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    overrides = tuning(a.set)
+    overrides = tuning(K, a.set)
     torch.manual_seed(0)
     m, d = a.hc, a.dim
     copy_gbs = copy_bandwidth()

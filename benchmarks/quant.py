@@ -76,6 +76,24 @@ def copy_bandwidth(nbytes: int = 4 << 30) -> float:
     return 2 * src.numel() * 4 / (ms * 1e-3) / 1e9
 
 
+def tuning(module, assignments: list[str]) -> dict[str, int]:
+    """Apply `NAME=VALUE` overrides (a benchmark's `--set`) to `module`'s integer tuning constants
+    (module attributes in capitals, with or without a leading underscore); returns them.  Must run
+    before the first build: the kernel modules cache their builds per process."""
+    where = module.__name__.replace(".", "/").removeprefix("dsv41c/") + ".py"
+    out = {}
+    for a in assignments:
+        name, sep, value = a.partition("=")
+        if not sep or not name.lstrip("_").isupper() or not isinstance(getattr(module, name, None), int):
+            raise SystemExit(f"--set {a!r}: not NAME=VALUE with NAME an integer constant of {where}")
+        try:
+            out[name] = int(value)
+        except ValueError:
+            raise SystemExit(f"--set {a!r}: {value!r} is not an integer") from None
+        setattr(module, name, out[name])
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=1 << 20)

@@ -278,7 +278,7 @@ def _bf16_mul(a, b):
 def test_cuda_decode_formula_cpu():
     """The CUDA build's key decode (`_DECODE_PRELUDE`, replayed here bit for bit) of every code
     byte at every scale byte equals the ref's dequantised bf16 keys, in the column order `_qperm`
-    gives the queries."""
+    gives the queries; so does its one-multiply path at every scale byte it takes (0..128)."""
     codes = torch.arange(256, dtype=torch.uint8).repeat(256, 1).view(256, 1, 256)  # [scale byte, 1, 16 blocks]
     scales = torch.arange(256, dtype=torch.uint8).view(256, 1, 1).expand(256, 1, 16).contiguous()
     ref = quant.mxfp4_dequant_ref(codes, scales, torch.bfloat16).view(256, 16, 32)
@@ -286,16 +286,22 @@ def test_cuda_decode_formula_cpu():
     sb = torch.where(s == 0, 0x40, torch.where(s == 255, 0x7FC0, s << 7))
     words = codes.view(256, 16, 4, 4).long()
     words = words[..., 0] | words[..., 1] << 8 | words[..., 2] << 16 | words[..., 3] << 24  # [scale, block, q]
-    got = []
-    for i in range(4):  # dsv41c_e2m1_pair(w, i, scale2), its two halves
+    one = s <= 128  # the one-multiply path (`_ONE_MUL_DECODE`): x 2^(s-1)
+    f = (s.clamp(max=128) + 126) << 7
+    got, got_one = [], []
+    for i in range(4):  # dsv41c_e2m1_bits(w, i), its two halves, then the multiplies
         mag = ((words << (6 - 4 * i)) if i < 2 else (words >> (4 * i - 6))) & 0x01C001C0
         x = mag | ((words << (12 - 4 * i)) & 0x80008000)
         got.append([_bf16_mul(_bf16_mul((x >> h) & 0xFFFF, torch.tensor(0x7E80)), sb) for h in (0, 16)])
-    got = torch.stack([torch.stack(p, dim=-1) for p in got], dim=-2).flatten(-3)  # [scale, block, 32]
+        got_one.append([_bf16_mul((x >> h) & 0xFFFF, f) for h in (0, 16)])
+    got, got_one = (torch.stack([torch.stack(p, dim=-1) for p in g], dim=-2).flatten(-3)  # [scale, block, 32]
+                    for g in (got, got_one))
     want = ref[..., [K._qperm(c) for c in range(32)]].view(torch.int16).int() & 0xFFFF
     nan = ref[..., [K._qperm(c) for c in range(32)]].isnan()
     assert torch.equal(got.to(torch.int16).view(torch.bfloat16).isnan(), nan)
     assert torch.equal(got[~nan], want[~nan])
+    assert not nan[:129].any() and torch.equal(got_one[:129], want[:129])  # s = 0 .. 128
+    assert one.sum() == 129
 
 
 def ulp_close(got, ref, seed):
@@ -355,6 +361,46 @@ def test_cuda_scores_prefill(fq, b, s, ratio):
         ref, _ = K.index_scores_ref(*(t.cpu() for t in (q, codes, scales, w, vl)), None if c is None else c.cpu(), n=n)
         ulp_close(sc.cpu(), ref, seed)
         assert same(bm, block_max_of(sc)), f"seed={seed}"
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("one_mul,bf16x2", ((1, 0), (0, 1), (1, 1)))
+def test_cuda_scores_variants(one_mul, bf16x2, monkeypatch):
+    """The scoring variants (`_ONE_MUL_DECODE`, `_BF16X2_EPILOGUE`) against the ref: the decode
+    tests' 100K keys with candidates (a third of their blocks have a scale byte above 128, so warps
+    take both decode paths) and a causal prefill."""
+    monkeypatch.setattr(K, "_ONE_MUL_DECODE", one_mul)
+    monkeypatch.setattr(K, "_BF16X2_EPILOGUE", bf16x2)
+    K.build.cache_clear()  # builds are cached per op key, which does not name the variant
+    try:
+        test_cuda_scores_released_dims_decode(1, 100003, True)
+        test_cuda_scores_released_dims_decode(32, 8269, False)
+        test_cuda_scores_prefill(True, 1, 1030, 4)
+    finally:
+        K.build.cache_clear()
+
+
+def _sm90_scores_source():
+    """CUDA source of the sm_90a scoring build (decode options), lowered without nvcc."""
+    import tilelang
+
+    from dsv41c.tilelang_kernels.quant import cuda_pass_configs
+    main = K.scores_prim_func(32, 128, False, False, True, "cuda")
+    tgt = {"kind": "cuda", "arch": "sm_90a"}
+    with tilelang.tvm.transform.PassContext(config=cuda_pass_configs(main)), tilelang.tvm.target.Target(tgt):
+        return tilelang.lower(main, target=tgt).kernel_source
+
+
+@pytest.mark.parametrize("one_mul,bf16x2", ((0, 0), (1, 1)))
+def test_cuda_scores_variants_lower_for_sm90(one_mul, bf16x2, monkeypatch):
+    """Without a GPU: each scoring variant lowers; the default has neither change (its fp32 epilogue
+    and the decode's one-multiply path compiled out), the variants have theirs."""
+    monkeypatch.setattr(K, "_ONE_MUL_DECODE", one_mul)
+    monkeypatch.setattr(K, "_BF16X2_EPILOGUE", bf16x2)
+    src = _sm90_scores_source()
+    assert f"#define DSV41C_ONE_MUL {one_mul}" in src and "dsv41c_decode_block" in src
+    assert ("tl::mul2(" in src and "tl::max2(" in src) == bool(bf16x2)
 
 
 @pytest.mark.gpu

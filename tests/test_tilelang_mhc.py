@@ -371,8 +371,8 @@ def test_benchmark_tuning_overrides(monkeypatch):
     import mhc as bench
     for name in ("_CR_W", "_CR_WAVES"):
         monkeypatch.setattr(K, name, getattr(K, name))   # restored after the test
-    assert bench.tuning(["_CR_W=128", "_CR_WAVES=4"]) == {"_CR_W": 128, "_CR_WAVES": 4}
+    assert bench.tuning(K, ["_CR_W=128", "_CR_WAVES=4"]) == {"_CR_W": 128, "_CR_WAVES": 4}
     assert (K._CR_W, K._CR_WAVES) == (128, 4)
     for bad in ("_CR_W", "nope=1", "_CR_W=x", "column_resident=1"):
         with pytest.raises(SystemExit, match="--set"):
-            bench.tuning([bad])
+            bench.tuning(K, [bad])
