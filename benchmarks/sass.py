@@ -1,6 +1,7 @@
 """Static SASS of the CUDA kernel builds, without a GPU: instruction counts by class.
 
-    python3 benchmarks/sass.py [--arch sm_90a] [--family quant mhc attention indexer] [--json OUT.json]
+    python3 benchmarks/sass.py [--arch sm_90a] [--family quant mhc attention indexer] [--set NAME=VALUE ...]
+                               [--json OUT.json]
 
 Each kernel is built as the ops build it (`compile_for`, TileLang + nvcc) for --arch, and its SASS
 (TileLang's `export_sass`: nvcc, then nvdisasm or cuobjdump) is counted by opcode class. Needs nvcc
@@ -8,17 +9,24 @@ and nvdisasm or cuobjdump on PATH: the CUDA toolkit has them, and the disassembl
 the PyPI wheels `nvidia-cuda-nvdisasm` and `nvidia-cuda-cuobjdump`. No GPU is needed, so a change to a
 kernel's instruction mix (the indexer's scoring is bound by its instruction count on an H200,
 BENCHMARKS.md) can be seen before it is timed. The counts are static: a loop body counts once.
+"loop" is the longest loop's body (the span of the backward branch that covers the most
+instructions): a kernel's main loop, per trip; where the body branches, both sides count.
+--set overrides an integer constant of a kernel module (the first family module that has it)
+before the builds, as the GPU benchmarks' --set does: a variant is counted before it is timed.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import importlib
 import json
 import re
 import shutil
 import sys
 import tempfile
 from pathlib import Path
+
+from quant import tuning  # benchmarks/ is the script's path: the GPU benchmarks' --set
 
 CLASSES = {   # opcode (before the first '.') -> class; anything else is "other"
     "tensor": {"HGMMA", "HMMA", "IMMA", "QGMMA", "WARPGROUP", "WARPSYNC"},
@@ -36,6 +44,11 @@ CLASSES = {   # opcode (before the first '.') -> class; anything else is "other"
 }
 NAMES = (*CLASSES, "other")
 OPCODE = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)")
+ADDRESS = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?[A-Z]")
+LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+BRANCH = re.compile(r"\bBRA\b[^`]*`\((\.L_x_\d+)\)")
+FAMILIES = {"quant": "dsv41c.tilelang_kernels.quant", "mhc": "dsv41c.tilelang_kernels.mhc",
+            "attention": "dsv41c.tilelang_kernels.attention", "indexer": "dsv41c.tilelang_kernels.indexer"}
 
 
 def kernels(families: list[str], arch: str):
@@ -67,14 +80,34 @@ def kernels(families: list[str], arch: str):
             yield "indexer", f"select topk {phase}", indexer.build("select", ("topk", phase), target)
 
 
-def opcode_counts(kernel) -> collections.Counter:
-    """Opcode counts of a built kernel's SASS (TileLang recompiles its CUDA source with the build's
-    flags and disassembles it with nvdisasm or cuobjdump)."""
+def sass(kernel) -> str:
+    """A built kernel's SASS (TileLang recompiles its CUDA source with the build's flags and
+    disassembles it with nvdisasm or cuobjdump)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "kernel.sass"
         kernel.export_sass(str(path))
-        text = path.read_text()
+        return path.read_text()
+
+
+def opcode_counts(text: str) -> collections.Counter:
     return collections.Counter(m.group(1) for line in text.splitlines() if (m := OPCODE.match(line)))
+
+
+def longest_loop(text: str) -> int:
+    """Instructions from a backward branch's target to the branch, for the branch that spans the
+    most (0 if the code has no backward branch)."""
+    labels, best, address = {}, 0, None
+    for line in text.splitlines():
+        if m := LABEL.match(line):
+            labels[m.group(1)] = None  # its address: the next instruction's
+        elif m := ADDRESS.match(line):
+            address = int(m.group(1), 16)
+            for name, at in labels.items():
+                if at is None:
+                    labels[name] = address
+            if (b := BRANCH.search(line)) and labels.get(b.group(1)) is not None and labels[b.group(1)] < address:
+                best = max(best, (address - labels[b.group(1)]) // 16 + 1)
+    return best
 
 
 def classify(ops: collections.Counter) -> dict[str, int]:
@@ -89,25 +122,35 @@ def main() -> None:
     parser.add_argument("--arch", default="sm_90a")
     parser.add_argument("--family", nargs="+", default=["quant", "mhc", "attention", "indexer"],
                         choices=["quant", "mhc", "attention", "indexer"])
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                        help="override an integer constant of a kernel module (a variant) before the builds")
     parser.add_argument("--json", default=None, help="also write the rows here")
     opts = parser.parse_args()
+    modules = [importlib.import_module(FAMILIES[f]) for f in opts.family]
+    for a in opts.set:
+        name = a.partition("=")[0]
+        module = next((m for m in modules if isinstance(getattr(m, name, None), int)), modules[0])
+        tuning(module, [a])
     if shutil.which("nvcc") is None:
         sys.exit("sass.py: nvcc is not on PATH (the CUDA toolkit compiles the kernels)")
     if shutil.which("nvdisasm") is None and shutil.which("cuobjdump") is None:
         sys.exit("sass.py: neither nvdisasm nor cuobjdump is on PATH (the CUDA toolkit has both; the PyPI "
                  "wheels nvidia-cuda-nvdisasm and nvidia-cuda-cuobjdump too)")
     rows = []
-    print(f"| family | kernel | total | {' | '.join(NAMES)} |")
-    print(f"|---|---|---:|{'---:|' * len(NAMES)}")
+    if opts.set:
+        print(f"overrides: {', '.join(opts.set)}")
+    print(f"| family | kernel | total | loop | {' | '.join(NAMES)} |")
+    print(f"|---|---|---:|---:|{'---:|' * len(NAMES)}")
     for family, name, kernel in kernels(opts.family, opts.arch):
-        ops = opcode_counts(kernel)
+        text = sass(kernel)
+        ops = opcode_counts(text)
         if not ops:
             sys.exit(f"sass.py: no instructions found in the SASS of {family} {name}")
-        by_class = classify(ops)
-        rows.append({"family": family, "kernel": name, "total": sum(ops.values()), "classes": by_class,
-                     "opcodes": dict(ops.most_common())})
-        print(f"| {family} | {name} | {sum(ops.values())} | " + " | ".join(str(by_class[c]) for c in NAMES) + " |",
-              flush=True)
+        by_class, loop = classify(ops), longest_loop(text)
+        rows.append({"family": family, "kernel": name, "total": sum(ops.values()), "loop": loop, "classes": by_class,
+                     "opcodes": dict(ops.most_common()), "overrides": opts.set})
+        print(f"| {family} | {name} | {sum(ops.values())} | {loop} | "
+              + " | ".join(str(by_class[c]) for c in NAMES) + " |", flush=True)
     if opts.json:
         Path(opts.json).write_text(json.dumps(rows, indent=1))
 

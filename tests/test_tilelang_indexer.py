@@ -403,6 +403,31 @@ def test_cuda_scores_variants_lower_for_sm90(one_mul, bf16x2, monkeypatch):
     assert ("tl::mul2(" in src and "tl::max2(" in src) == bool(bf16x2)
 
 
+def test_sass_tool_counts_the_longest_loop(monkeypatch):
+    """benchmarks/sass.py's "loop" column (how the scoring variants were counted): the instructions
+    from a backward branch's target to the branch, the widest such span; a forward branch is none."""
+    import sys
+    from pathlib import Path
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    monkeypatch.delitem(sys.modules, "sass", raising=False)
+    import sass
+    text = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_1:
+        /*0010*/                   IADD3 R0, R0, 0x1, RZ ;
+        /*0020*/                   ISETP.GE.AND P0, PT, R0, 0x10, PT ;
+.L_x_2:
+        /*0030*/                   NOP ;
+        /*0040*/              @!P0 BRA `(.L_x_1) ;
+        /*0050*/                   BRA `(.L_x_2) ;
+        /*0060*/                   BRA `(.L_x_3) ;
+.L_x_3:
+        /*0070*/                   EXIT ;
+"""
+    assert sass.longest_loop(text) == 4 and sass.longest_loop(text.replace("(.L_x_1)", "(.L_x_3)")) == 3
+    assert sass.opcode_counts(text)["BRA"] == 3
+
+
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("n,k", ((8192, 512), (3000, 3000), (70000, 512), (100, 1)))
