@@ -35,9 +35,9 @@ CUDA (sm_90a: wgmma needs the arch-specific target).
      (`_cuda_colres_prim_func`): each CTA keeps fn's slice for 256 columns in shared memory, split
      once into three bf16 pieces, for every token it sees; the streams go global -> registers ->
      global as words of two bf16, and the mixes GEMM is register-operand mma.sync on those words.
-     On an H200: post_pre 60% / 66% of the bound at T = 4096 / 65536, pre 48% / 58% (two groups
-     of warps per CTA, `_CR_GROUPS_PRE`); T = 1 takes 14 / 12 us for the two launches
-     (BENCHMARKS.md).  (A warp-specialised kernel, a TMA ring
+     On an H200, in a CUDA graph: post_pre 60% / 65% of the bound at T = 4096 / 65536, pre 50% /
+     61% (two groups of warps per CTA, `_CR_GROUPS_PRE`); T = 1 takes 13 / 11 us for the two
+     launches (BENCHMARKS.md).  (A warp-specialised kernel, a TMA ring
      with streaming warpgroups and a producer/GEMM warpgroup meeting at mbarriers, reached 56% /
      63% for post_pre and was removed: its ring read 128-byte pieces of rows 10 KB apart.)
      Otherwise (fp32 streams, other widths) the staged
