@@ -115,6 +115,8 @@ _CR_GROUPS_PRE = 2
 _CR_PREFETCH_PRE = 0
 _CR_GROUPS_POST_PRE = 1
 _CR_PREFETCH_POST_PRE = 1
+_CR_INTERLEAVE = 0  # 1 (built, SASS-checked, not yet run on a GPU): each k step's mma go out between the
+#                     column halves (the default issues all 72 after all the columns, in one dependent chain)
 _SMS = 132  # H200 SMs
 
 
@@ -854,7 +856,13 @@ def _cuda_colres_prim_func(kind, m, D):
     two such groups per CTA, each on its own 16-token blocks behind its own named barrier and
     sharing fn's slice, each block loaded just before it is computed: 16 warps per SM at 128
     registers.  Timed side by side on an H200, pre gained 4-6 points of the bound that way and
-    post_pre lost 7-12 (it spills at 128 registers)."""
+    post_pre lost 7-12 (it spills at 128 registers).
+
+    `_CR_INTERLEAVE` = 1 (built and SASS-checked, not yet run on a GPU) computes the columns of k
+    step 0, issues that step's mma, then does step 1: in the default build ptxas places all 72 mma
+    after all the columns and the stores, as one dependent chain of 24 per accumulator with nothing
+    else left to issue, in every warp at once (the CTA's barriers keep the warps in step).  Its
+    mixes sum the k steps in another order (s-major) than the default's (stream-major)."""
     expand = kind == "post_pre"
     dtype = "bfloat16"
     names = _PARAMS[kind, "main"]
@@ -871,6 +879,7 @@ def _cuda_colres_prim_func(kind, m, D):
     nfv = NT * 8 * m * W // 4  # float4 vectors of fn's slice
     NG, prefetch = (_CR_GROUPS_POST_PRE, bool(_CR_PREFETCH_POST_PRE)) if expand else \
         (_CR_GROUPS_PRE, bool(_CR_PREFETCH_PRE))
+    interleave = bool(_CR_INTERLEAVE)
     ntg = 32 * NW  # threads per group
     nth = NG * ntg
     assert W % 32 == 0 and D % W == 0 and 1 <= NG <= 15
@@ -926,11 +935,66 @@ def _cuda_colres_prim_func(kind, m, D):
             T.sync_threads(1 + gi, ntg)  # bar.sync takes the barrier's id from a register
 
     @T.macro
+    def columns(R, i, xl, gi, g, r, w):
+        """Columns 2w, 2w + 1 of the lane's token row r: h_new (post_pre) into ol in the mma's A
+        layout, x into xo, the squares of h_new into sq[r]."""
+        Cos, ol, xo, hf, xf, hv, sq = R["Cos"], R["ol"], R["xo"], R["hf"], R["xf"], R["hv"], R["sq"]
+        if expand:
+            for u in [0, 1]:
+                for j, hj in enumerate(_expand_exprs(
+                        m, lambda coef: Cos[gi, i % 2, g + 8 * r, coef],  # noqa: B023
+                        lambda src_row: _bf16_half(xl[r, src_row, w], u),  # noqa: B023
+                        mul, add)):
+                    hf[j, u] = hj
+            for j in T.unroll(m):
+                ol[j, w // 2, w % 2, r] = T.call_extern("uint32", "dsv41c_pack_bf16x2", hf[j, 0], hf[j, 1])
+        else:
+            for j in T.unroll(m):
+                ol[j, w // 2, w % 2, r] = xl[r, j, w]
+        for u in [0, 1]:
+            for j in T.unroll(m):
+                hv[j] = _bf16_half(ol[j, w // 2, w % 2, r], u)
+            xf[u] = _collapse_expr(
+                m, lambda pd_j: Cos[gi, i % 2, g + 8 * r, ncf - m + pd_j], hv, mul, add)  # noqa: B023
+            for j in T.unroll(m):
+                sq[r] = sq[r] + hv[j] * hv[j]
+        xo[r, w] = T.call_extern("uint32", "dsv41c_pack_bf16x2", xf[0], xf[1])
+
+    @T.macro
+    def store(V, R, blk, g, c0):
+        """The block's x and (post_pre) h_new rows of the lane, as 16-byte stores."""
+        ol, xo, st = R["ol"], R["xo"], R["st"]
+        for r in T.unroll(2):
+            t = blk * 16 + g + 8 * r
+            if t < N:
+                for w in T.vectorized(4):
+                    V["X"][t, c0 // 2 + w] = xo[r, w]
+                if expand:
+                    for j in T.unroll(m):
+                        for w in T.unroll(4):
+                            st[w] = ol[j, w // 2, w % 2, r]
+                        for w in T.vectorized(4):
+                            V["HN"][t, j, c0 // 2 + w] = st[w]
+
+    @T.macro
+    def products(R, j, s, q, lane):
+        """Step s of stream j of the mixes GEMM: the A fragment ol[j, s] (rows g, g + 8 x columns
+        8c + 4s + (0, 1), then (2, 3)) against fn's 3 pieces x NT n8 tiles, into Cc."""
+        Fs, ol, bf, Cc = R["Fs"], R["ol"], R["bf"], R["Cc"]
+        for pt in T.unroll(3 * NT):
+            for e in T.vectorized(4):
+                bf[pt, e] = Fs[j, q, lane, s, pt, e]
+        for pc in [2, 1, 0]:  # the small cross terms first
+            for tn in T.unroll(NT):
+                T.ptx_mma("float32", "m16n8k16", "row", "col", "bf16", "bf16", "fp32",
+                          ol.data, (j * 2 + s) * 4, bf.data, (pc * NT + tn) * 4, Cc.data, tn * 4,
+                          T.bool(False))
+
+    @T.macro
     def block(B, V, R, i, xl, xn, nb, vp, PV, gi, tg, q, lane, g, c, c0, bg):
         """Block number i of the group's blocks: its streams in xl (with the load-ahead: copied from
         xn first, where the previous block loaded them, and the next block's go to xn)."""
-        Fs, Cos, Red, ol, xo, st = R["Fs"], R["Cos"], R["Red"], R["ol"], R["xo"], R["st"]
-        hf, xf, hv, sq, bf, Cc, cv = R["hf"], R["xf"], R["hv"], R["sq"], R["bf"], R["Cc"], R["cv"]
+        Cos, Red, sq, Cc, cv = R["Cos"], R["Red"], R["sq"], R["Cc"], R["cv"]
         acc = T.alloc_var("float32")
         blk = vp + i * PV
         if prefetch:
@@ -947,55 +1011,29 @@ def _cuda_colres_prim_func(kind, m, D):
             fetch_coefs(B, cv, blk, tg)
             stash_coefs(Cos, gi, i % 2, cv, tg)
             group_sync(gi)  # Cos[gi, i % 2] stashed; Red[gi] read by the previous block's sums
-        for r in T.unroll(2):
-            sq[r] = T.float32(0)
-            for w in T.unroll(4):  # columns 2w, 2w + 1
-                if expand:
-                    for u in [0, 1]:
-                        for j, hj in enumerate(_expand_exprs(
-                                m, lambda coef: Cos[gi, i % 2, g + 8 * r, coef],  # noqa: B023
-                                lambda src_row: _bf16_half(xl[r, src_row, w], u),  # noqa: B023
-                                mul, add)):
-                            hf[j, u] = hj
-                    for j in T.unroll(m):
-                        ol[j, w // 2, w % 2, r] = T.call_extern("uint32", "dsv41c_pack_bf16x2",
-                                                                hf[j, 0], hf[j, 1])
-                else:
-                    for j in T.unroll(m):
-                        ol[j, w // 2, w % 2, r] = xl[r, j, w]
-                for u in [0, 1]:
-                    for j in T.unroll(m):
-                        hv[j] = _bf16_half(ol[j, w // 2, w % 2, r], u)
-                    xf[u] = _collapse_expr(
-                        m, lambda pd_j: Cos[gi, i % 2, g + 8 * r, ncf - m + pd_j], hv, mul, add)  # noqa: B023
-                    for j in T.unroll(m):
-                        sq[r] = sq[r] + hv[j] * hv[j]
-                xo[r, w] = T.call_extern("uint32", "dsv41c_pack_bf16x2", xf[0], xf[1])
-        for r in T.unroll(2):
-            t = blk * 16 + g + 8 * r
-            if t < N:
-                for w in T.vectorized(4):
-                    V["X"][t, c0 // 2 + w] = xo[r, w]
-                if expand:
-                    for j in T.unroll(m):
-                        for w in T.unroll(4):
-                            st[w] = ol[j, w // 2, w % 2, r]
-                        for w in T.vectorized(4):
-                            V["HN"][t, j, c0 // 2 + w] = st[w]
-        for k in T.unroll(NT * 4):
-            Cc[k] = T.float32(0)
-        for j in T.unroll(m):
-            for s in T.unroll(2):
-                # the A fragment of step s of stream j, ol[j, s]: rows g, g+8 x columns
-                # 8c+4s + (0,1), then (2,3)
-                for pt in T.unroll(3 * NT):
-                    for e in T.vectorized(4):
-                        bf[pt, e] = Fs[j, q, lane, s, pt, e]
-                for pc in [2, 1, 0]:  # the small cross terms first
-                    for tn in T.unroll(NT):
-                        T.ptx_mma("float32", "m16n8k16", "row", "col", "bf16", "bf16", "fp32",
-                                  ol.data, (j * 2 + s) * 4, bf.data, (pc * NT + tn) * 4, Cc.data, tn * 4,
-                                  T.bool(False))
+        if interleave:  # step s's products go out while step s + 1's columns are computed
+            for r in T.unroll(2):
+                sq[r] = T.float32(0)
+            for k in T.unroll(NT * 4):
+                Cc[k] = T.float32(0)
+            for s in [0, 1]:
+                for r in T.unroll(2):
+                    for w in [2 * s, 2 * s + 1]:
+                        columns(R, i, xl, gi, g, r, w)
+                for j in T.unroll(m):
+                    products(R, j, s, q, lane)
+            store(V, R, blk, g, c0)
+        else:
+            for r in T.unroll(2):
+                sq[r] = T.float32(0)
+                for w in T.unroll(4):
+                    columns(R, i, xl, gi, g, r, w)
+            store(V, R, blk, g, c0)
+            for k in T.unroll(NT * 4):
+                Cc[k] = T.float32(0)
+            for j in T.unroll(m):
+                for s in T.unroll(2):
+                    products(R, j, s, q, lane)
         for r in T.unroll(2):
             for o in [1, 2]:  # the sum of squares over the 4 lanes of a row
                 sq[r] = sq[r] + T.shfl_xor(sq[r], o)
