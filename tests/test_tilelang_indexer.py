@@ -286,8 +286,7 @@ def test_cuda_decode_formula_cpu():
     sb = torch.where(s == 0, 0x40, torch.where(s == 255, 0x7FC0, s << 7))
     words = codes.view(256, 16, 4, 4).long()
     words = words[..., 0] | words[..., 1] << 8 | words[..., 2] << 16 | words[..., 3] << 24  # [scale, block, q]
-    one = s <= 128  # the one-multiply path (`_ONE_MUL_DECODE`): x 2^(s-1)
-    f = (s.clamp(max=128) + 126) << 7
+    f = (s.clamp(max=128) + 126) << 7  # the one-multiply path (`_ONE_MUL_DECODE`, s <= 128): x 2^(s-1)
     got, got_one = [], []
     for i in range(4):  # dsv41c_e2m1_bits(w, i), its two halves, then the multiplies
         mag = ((words << (6 - 4 * i)) if i < 2 else (words >> (4 * i - 6))) & 0x01C001C0
@@ -301,7 +300,6 @@ def test_cuda_decode_formula_cpu():
     assert torch.equal(got.to(torch.int16).view(torch.bfloat16).isnan(), nan)
     assert torch.equal(got[~nan], want[~nan])
     assert not nan[:129].any() and torch.equal(got_one[:129], want[:129])  # s = 0 .. 128
-    assert one.sum() == 129
 
 
 def ulp_close(got, ref, seed):
@@ -368,8 +366,8 @@ def test_cuda_scores_prefill(fq, b, s, ratio):
 @pytest.mark.parametrize("one_mul,bf16x2", ((1, 0), (0, 1), (1, 1)))
 def test_cuda_scores_variants(one_mul, bf16x2, monkeypatch):
     """The scoring variants (`_ONE_MUL_DECODE`, `_BF16X2_EPILOGUE`) against the ref: the decode
-    tests' 100K keys with candidates (a third of their blocks have a scale byte above 128, so warps
-    take both decode paths) and a causal prefill."""
+    tests' 100K keys with candidates (29% of their blocks have a scale byte above 128, so warps take
+    both decode paths) and a causal prefill."""
     monkeypatch.setattr(K, "_ONE_MUL_DECODE", one_mul)
     monkeypatch.setattr(K, "_BF16X2_EPILOGUE", bf16x2)
     K.build.cache_clear()  # builds are cached per op key, which does not name the variant
