@@ -5,8 +5,8 @@ reference, and the bytes-moved bound.
     python3 benchmarks/indexer.py [--batch 1 32] [--context 8192 65536 262144] [--set NAME=VALUE ...]
                                   [--json OUT.json]
 
---set overrides an integer constant of tilelang_kernels/indexer.py before the first build (for
-example `--set _ONE_MUL_DECODE=1`, a scoring variant); the table's header repeats the overrides.
+--set overrides an integer constant of tilelang_kernels/indexer.py before the first build (a variant
+to time against the default in the same run); the table's header repeats the overrides.
 
 One decode step per sequence (S = 1) at the released indexer dims: H_I = 32 heads x d_I = 128,
 n = context index keys (ratio 1: the candidate source), top-k 512, 2048 candidate blocks of 8.

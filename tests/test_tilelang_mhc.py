@@ -280,18 +280,6 @@ def test_cuda_column_resident_tunings_lower_for_sm90(kind, groups, prefetch, mon
     assert bool(re.search(r"\bxl\[[^;]*\] = xn\[", src)) == bool(prefetch)
 
 
-@pytest.mark.parametrize("kind", ("pre", "post_pre"))
-def test_cuda_column_resident_interleave_lowers_for_sm90(kind, monkeypatch):
-    """`_CR_INTERLEAVE`: each k step's mma are issued between the column halves (the first before
-    the last columns are rounded into words), where the default issues them all after the columns."""
-    default = _sm90_source(kind, "bfloat16")
-    assert default.index("tl::mma_sync<") > default.rindex("dsv41c_pack_bf16x2(")
-    monkeypatch.setattr(K, "_CR_INTERLEAVE", 1)
-    src = _sm90_source(kind, "bfloat16")
-    assert src.count("tl::mma_sync<") == 6 and src.index("tl::mma_sync<") < src.rindex("dsv41c_pack_bf16x2(")
-    assert "*(uint4*)(((uint*)X)" in src and "cvt.rn.bf16x2.f32" in src
-
-
 def test_cuda_post_collapse_lowers_for_sm90():
     """The flat post_collapse kernel: 16-byte loads and stores, no shared memory, no barrier."""
     src = _sm90_source("post_collapse", "bfloat16")
@@ -334,22 +322,6 @@ def test_cuda_column_resident_tunings_match_refs(kind, groups, prefetch, monkeyp
     try:
         for n in (1, 7, 77, 4099):
             check(kind, torch.bfloat16, n, 5120, "cuda")
-    finally:
-        K.build.cache_clear()
-
-
-@pytest.mark.gpu
-@cuda
-@pytest.mark.parametrize("kind", ("pre", "post_pre"))
-def test_cuda_column_resident_interleave_matches_refs(kind, monkeypatch):
-    """`_CR_INTERLEAVE` against the refs (its mixes accumulate the k steps in another order), with
-    each op's default tuning, D = 5120 and 512."""
-    monkeypatch.setattr(K, "_CR_INTERLEAVE", 1)
-    K.build.cache_clear()  # builds are cached per op key, which does not name the variant
-    try:
-        for d in (5120, 512):
-            for n in (1, 7, 77, 4099):
-                check(kind, torch.bfloat16, n, d, "cuda")
     finally:
         K.build.cache_clear()
 

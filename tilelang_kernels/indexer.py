@@ -462,10 +462,6 @@ def candidate_blocks(block_max, visible_len, *, topk_blocks):
 
 _BN = 256  # CUDA scoring: keys per tile (the GEMM's M), one thread per key in the epilogue
 _THREADS = 256  # two warpgroups, each multiplying 128 of the tile's keys
-# CUDA scoring variants, built and (in sm_90a SASS) counted, not yet run on a GPU; each cuts the tile
-# loop's instructions per thread (971 with neither; the kernel is issue-bound, BENCHMARKS.md):
-_ONE_MUL_DECODE = 0  # 1: one bf16x2 multiply per decoded pair where the warp's scales allow (-72 + the vote)
-_BF16X2_EPILOGUE = 0  # 1: the epilogue's relu and weight product on bf16 pairs (-107)
 
 # Decode of one key's scale block (16 code bytes, one UE8M0 byte) into 32 bf16 operand values with
 # the scale folded in, on the ALU (no table, no shared memory).  Code nibble j of a 32-bit word
@@ -475,9 +471,8 @@ _BF16X2_EPILOGUE = 0  # 1: the epilogue's relu and weight product on bf16 pairs 
 # (code 1, 0.5, becomes the bf16 subnormal 2^-127).  Two bf16x2 multiplies by 2^126 and by the
 # block scale 2^(s-127) give E2M1 x 2^(s-127) rounded to nearest even: exact wherever the bf16
 # dequantised key (the ref) is finite, inf where that overflows; bf16 multiplies keep subnormals.
-# With DSV41C_ONE_MUL (`_ONE_MUL_DECODE`), one multiply by 2^(s-1) where that is a bf16 (s <= 128)
-# for every lane of the warp (a vote keeps the branch warp-uniform): the same single rounding of the
-# same exact product.
+# Where every lane of the warp has s <= 128 (a vote keeps the branch warp-uniform), one multiply by
+# 2^(s-1), a bf16 there, instead: the same single rounding of the same exact product.
 # The 8 values of a word are stored as (0,4), (1,5), (2,6), (3,7): the query is permuted the same
 # way (`_qperm`), so the dot products are unchanged.
 _DECODE_PRELUDE = r"""
@@ -498,7 +493,7 @@ __device__ __forceinline__ unsigned dsv41c_e2m1_bits(unsigned w, int i) {
 __device__ __forceinline__ void dsv41c_decode_block(const void* codes, unsigned s, void* out) {
   uint4 c = *reinterpret_cast<const uint4*>(codes);
   unsigned words[4] = {c.x, c.y, c.z, c.w};
-  if (DSV41C_ONE_MUL && __all_sync(0xffffffffu, s <= 128u)) {
+  if (__all_sync(0xffffffffu, s <= 128u)) {
     unsigned f = (s + 126u) << 7;  // bf16 bits of 2^(s-1)
     f |= f << 16;
 #pragma unroll
@@ -567,8 +562,6 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
         raise ValueError(f"index_scores: the CUDA build needs H a multiple of 8 (at most 256) and d in "
                          f"32/64/128/256, got H={H}, d={d}")
     B, S, N, NC, NB = T.dynamic("B"), T.dynamic("S"), T.dynamic("N"), T.dynamic("NC"), T.dynamic("NB")
-    prelude = f"#define DSV41C_ONE_MUL {int(bool(_ONE_MUL_DECODE))}\n{_DECODE_PRELUDE}"
-    bf16x2 = bool(_BF16X2_EPILOGUE)
     nsb = d // 32
     rows_per_warp = 32 // nsb  # keys one warp-wide load covers
     units = _BN * nsb // _THREADS  # (key, scale block) units per thread and tile
@@ -606,11 +599,11 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
              CAND: T.Tensor((B, S, NB) if cand else (1,), "uint8"),
              SC: T.Tensor((B, S, N), "bfloat16"), BM: T.Tensor((B, S, NB) if bmax else (1,), "bfloat16"),
              tpc: T.int32):
-        with T.Kernel(S, T.ceildiv(N, _BN * tpc), B, threads=_THREADS, prelude=prelude) as (s, bx, b):
+        with T.Kernel(S, T.ceildiv(N, _BN * tpc), B, threads=_THREADS, prelude=_DECODE_PRELUDE) as (s, bx, b):
             tx = T.get_thread_binding()
             Qs = T.alloc_shared((H, d), "bfloat16")
             As = T.alloc_shared((_BN, d), "bfloat16")
-            Ws = T.alloc_shared((H,), "bfloat16" if bf16x2 else "float32")
+            Ws = T.alloc_shared((H,), "bfloat16")
             Rs = T.alloc_shared((_BN,), "float32")
             acc = T.alloc_fragment((_BN, H), "float32")
             rsum = T.alloc_fragment((_BN,), "float32")
@@ -622,7 +615,7 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
             for h, c in T.Parallel(H, d):
                 Qs[h, c] = Q[b, s, h, _qperm(c)]
             for h in T.Parallel(H):
-                Ws[h] = W[b, s, h] if bf16x2 else T.Cast("float32", W[b, s, h])
+                Ws[h] = W[b, s, h]
             lim = T.min(N, VL[s]) if visible else N
             load(CODES, SCALES, CAND, cl, sl, b, s, bx * tpc * _BN, lim, tx)
             for it in T.serial(tpc):
@@ -643,11 +636,9 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                 if live != 0:
                     T.gemm(As, Qs, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                     for i, h in T.Parallel(_BN, H):
-                        if bf16x2:  # bf16 pair ops: the product of two bf16 is rounded once either way
-                            acc[i, h] = T.Cast("float32", T.max(T.Cast("bfloat16", acc[i, h]), T.bfloat16(0)) * Ws[h])
-                        else:
-                            acc[i, h] = T.Cast("float32", T.Cast("bfloat16", T.max(
-                                T.Cast("float32", T.Cast("bfloat16", acc[i, h])), T.float32(0)) * Ws[h]))
+                        # on bf16 pairs: the product of two bf16 is exact in fp32, so rounding it
+                        # once to bf16 is the ref's bf16(relu(bf16(s)) * w)
+                        acc[i, h] = T.Cast("float32", T.max(T.Cast("bfloat16", acc[i, h]), T.bfloat16(0)) * Ws[h])
                     T.reduce_sum(acc, rsum, dim=1)
                     for i in T.Parallel(_BN):
                         Rs[i] = rsum[i]

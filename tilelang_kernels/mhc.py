@@ -115,8 +115,6 @@ _CR_GROUPS_PRE = 2
 _CR_PREFETCH_PRE = 0
 _CR_GROUPS_POST_PRE = 1
 _CR_PREFETCH_POST_PRE = 1
-_CR_INTERLEAVE = 0  # 1 (built, SASS-checked, not yet run on a GPU): each k step's mma go out between the
-#                     column halves (the default issues all 72 after all the columns, in one dependent chain)
 _SMS = 132  # H200 SMs
 
 
@@ -856,13 +854,7 @@ def _cuda_colres_prim_func(kind, m, D):
     two such groups per CTA, each on its own 16-token blocks behind its own named barrier and
     sharing fn's slice, each block loaded just before it is computed: 16 warps per SM at 128
     registers.  Timed side by side on an H200, pre gained 4-6 points of the bound that way and
-    post_pre lost 7-12 (it spills at 128 registers).
-
-    `_CR_INTERLEAVE` = 1 (built and SASS-checked, not yet run on a GPU) computes the columns of k
-    step 0, issues that step's mma, then does step 1: in the default build ptxas places all 72 mma
-    after all the columns and the stores, as one dependent chain of 24 per accumulator with nothing
-    else left to issue, in every warp at once (the CTA's barriers keep the warps in step).  Its
-    mixes sum the k steps in another order (s-major) than the default's (stream-major)."""
+    post_pre lost 7-12 (it spills at 128 registers)."""
     expand = kind == "post_pre"
     dtype = "bfloat16"
     names = _PARAMS[kind, "main"]
@@ -879,7 +871,6 @@ def _cuda_colres_prim_func(kind, m, D):
     nfv = NT * 8 * m * W // 4  # float4 vectors of fn's slice
     NG, prefetch = (_CR_GROUPS_POST_PRE, bool(_CR_PREFETCH_POST_PRE)) if expand else \
         (_CR_GROUPS_PRE, bool(_CR_PREFETCH_PRE))
-    interleave = bool(_CR_INTERLEAVE)
     ntg = 32 * NW  # threads per group
     nth = NG * ntg
     assert W % 32 == 0 and D % W == 0 and 1 <= NG <= 15
@@ -1011,29 +1002,16 @@ def _cuda_colres_prim_func(kind, m, D):
             fetch_coefs(B, cv, blk, tg)
             stash_coefs(Cos, gi, i % 2, cv, tg)
             group_sync(gi)  # Cos[gi, i % 2] stashed; Red[gi] read by the previous block's sums
-        if interleave:  # step s's products go out while step s + 1's columns are computed
-            for r in T.unroll(2):
-                sq[r] = T.float32(0)
-            for k in T.unroll(NT * 4):
-                Cc[k] = T.float32(0)
-            for s in [0, 1]:
-                for r in T.unroll(2):
-                    for w in [2 * s, 2 * s + 1]:
-                        columns(R, i, xl, gi, g, r, w)
-                for j in T.unroll(m):
-                    products(R, j, s, q, lane)
-            store(V, R, blk, g, c0)
-        else:
-            for r in T.unroll(2):
-                sq[r] = T.float32(0)
-                for w in T.unroll(4):
-                    columns(R, i, xl, gi, g, r, w)
-            store(V, R, blk, g, c0)
-            for k in T.unroll(NT * 4):
-                Cc[k] = T.float32(0)
-            for j in T.unroll(m):
-                for s in T.unroll(2):
-                    products(R, j, s, q, lane)
+        for r in T.unroll(2):
+            sq[r] = T.float32(0)
+            for w in T.unroll(4):
+                columns(R, i, xl, gi, g, r, w)
+        store(V, R, blk, g, c0)
+        for k in T.unroll(NT * 4):
+            Cc[k] = T.float32(0)
+        for j in T.unroll(m):
+            for s in T.unroll(2):
+                products(R, j, s, q, lane)
         for r in T.unroll(2):
             for o in [1, 2]:  # the sum of squares over the 4 lanes of a row
                 sq[r] = sq[r] + T.shfl_xor(sq[r], o)
