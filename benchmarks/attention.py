@@ -1,7 +1,11 @@
 """Sparse attention at decode on the GPU: the TileLang kernel that reads the packed caches against
 eager torch, `torch.compile` of the eager reference, and the bytes-moved bound.
 
-    python3 benchmarks/attention.py [--batch 1 32] [--context 8192 65536 262144] [--json OUT.json]
+    python3 benchmarks/attention.py [--batch 1 32] [--context 8192 65536 262144] [--set NAME=VALUE ...]
+                                    [--json OUT.json]
+
+--set overrides an integer constant of tilelang_kernels/attention.py before the first build (for
+example `--set _CLUSTER_MERGE=1`, the on-chip merge of a split); the header repeats the overrides.
 
 One decode step per sequence (S = 1) at the released attention dims: H = 64 heads x d = 512,
 an FP8 ring of 128 window rows and n_c = context / ratio FP4 compressed rows (ratio 2, the
@@ -10,7 +14,8 @@ emits them), after the 128 ring slots: K = 640 entries.
 
 The kernel splits each query's list over several CTAs when the batch alone does not fill the SMs
 (`num_splits` in tilelang_kernels/attention.py; "CTAs/query" in the table), then merges the splits
-with a second kernel: both are in the times.
+with a second kernel: both are in the times.  With `--set _CLUSTER_MERGE=1` a query's CTAs form one
+thread-block cluster (`cluster_splits`) and merge on chip, with no second kernel.
 
 Variants, each timed with CUDA events (median of batches of back-to-back calls):
   tilelang       `sparse_attn_packed`: gathers the listed rows from the packed bytes ("in a CUDA
@@ -40,6 +45,7 @@ from quant import (  # benchmarks/ is the script's path: the codec benchmark's t
     bench,
     bench_graph,
     copy_bandwidth,
+    tuning,
 )
 
 H, D, WINDOW, TOPK = 64, 512, 128, 512
@@ -78,8 +84,11 @@ def main() -> None:
     ap.add_argument("--lists", type=int, default=8, help="index lists cycled through by the timed calls")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile of the reference")
     ap.add_argument("--no-eager", action="store_true", help="skip the eager references")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                    help="override an integer constant of tilelang_kernels/attention.py (a kernel variant)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
+    overrides = tuning(A, a.set)
     g = torch.Generator(device="cuda").manual_seed(0)
     copy_gbs = copy_bandwidth()
     scale = D**-0.5
@@ -109,8 +118,9 @@ def main() -> None:
                 except Exception as e:  # noqa: BLE001  (report, do not hide: Inductor may reject the ref)
                     print(f"torch.compile failed at batch {batch}, context {context}: {type(e).__name__}: "
                           f"{str(e)[:200]}")
-            splits = A.num_splits(batch * -(-H // 64), -(-(WINDOW + TOPK) // A.BLOCK),
-                                  torch.cuda.get_device_properties(0).multi_processor_count)
+            plan = A.cluster_splits if A._CLUSTER_MERGE else A.num_splits
+            splits = plan(batch * -(-H // 64), -(-(WINDOW + TOPK) // A.BLOCK),
+                          torch.cuda.get_device_properties(0).multi_processor_count)
             nbytes = min_bytes(batch)
             bound_ms = nbytes / (copy_gbs * 1e9) * 1e3
             rows.append({"batch": batch, "context": context, "compressed_rows": n_c, "ctas_per_query": splits,
@@ -124,7 +134,8 @@ def main() -> None:
             del q, ring, ring_scales, codes, scales, idx
             torch.cuda.empty_cache()
     print(f"\ndevice: {torch.cuda.get_device_name()}, copy bandwidth {copy_gbs:.0f} GB/s (4 GiB device-to-device, "
-          f"read + write); H={H}, d={D}, window {WINDOW}, top-k {TOPK}, ratio {a.ratio}\n")
+          f"read + write); H={H}, d={D}, window {WINDOW}, top-k {TOPK}, ratio {a.ratio}"
+          f"{'; overrides ' + ', '.join(f'{k}={v}' for k, v in overrides.items()) if overrides else ''}\n")
     print("| batch | context | CTAs/query | MB moved | bound us | TileLang us | % bound | in a CUDA graph us | % bound "
           "| TileLang rows us | eager us | x eager "
           "| eager rows us | x eager rows | compile us | compile % bound | x compile | max abs vs ref |")
@@ -141,7 +152,8 @@ def main() -> None:
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"copy_gb_s": copy_gbs, "device": torch.cuda.get_device_name(), "heads": H, "head_dim": D,
-                       "window": WINDOW, "topk": TOPK, "ratio": a.ratio, "rows": rows}, fh, indent=2)
+                       "window": WINDOW, "topk": TOPK, "ratio": a.ratio, "overrides": overrides, "rows": rows}, fh,
+                      indent=2)
 
 
 if __name__ == "__main__":
