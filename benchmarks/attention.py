@@ -4,8 +4,8 @@ eager torch, `torch.compile` of the eager reference, and the bytes-moved bound.
     python3 benchmarks/attention.py [--batch 1 32] [--context 8192 65536 262144] [--set NAME=VALUE ...]
                                     [--json OUT.json]
 
---set overrides an integer constant of tilelang_kernels/attention.py before the first build (for
-example `--set _CLUSTER_MERGE=1`, the on-chip merge of a split); the header repeats the overrides.
+--set overrides an integer constant of tilelang_kernels/attention.py before the first build (a variant
+to time against the default in the same run); the header repeats the overrides.
 
 One decode step per sequence (S = 1) at the released attention dims: H = 64 heads x d = 512,
 an FP8 ring of 128 window rows and n_c = context / ratio FP4 compressed rows (ratio 2, the
@@ -14,8 +14,7 @@ emits them), after the 128 ring slots: K = 640 entries.
 
 The kernel splits each query's list over several CTAs when the batch alone does not fill the SMs
 (`num_splits` in tilelang_kernels/attention.py; "CTAs/query" in the table), then merges the splits
-with a second kernel: both are in the times.  With `--set _CLUSTER_MERGE=1` a query's CTAs form one
-thread-block cluster (`cluster_splits`) and merge on chip, with no second kernel.
+with a second kernel: both are in the times.
 
 Variants, each timed with CUDA events (median of batches of back-to-back calls):
   tilelang       `sparse_attn_packed`: gathers the listed rows from the packed bytes ("in a CUDA
@@ -118,9 +117,8 @@ def main() -> None:
                 except Exception as e:  # noqa: BLE001  (report, do not hide: Inductor may reject the ref)
                     print(f"torch.compile failed at batch {batch}, context {context}: {type(e).__name__}: "
                           f"{str(e)[:200]}")
-            plan = A.cluster_splits if A._CLUSTER_MERGE else A.num_splits
-            splits = plan(batch * -(-H // 64), -(-(WINDOW + TOPK) // A.BLOCK),
-                          torch.cuda.get_device_properties(0).multi_processor_count)
+            splits = A.num_splits(batch * -(-H // 64), -(-(WINDOW + TOPK) // A.BLOCK),
+                                  torch.cuda.get_device_properties(0).multi_processor_count)
             nbytes = min_bytes(batch)
             bound_ms = nbytes / (copy_gbs * 1e9) * 1e3
             rows.append({"batch": batch, "context": context, "compressed_rows": n_c, "ctas_per_query": splits,

@@ -361,46 +361,6 @@ def test_num_splits():
                 assert (ns - 1) * per < blocks, (ctas, blocks, sms, ns)
 
 
-def test_cluster_splits():
-    """The on-chip merge's plan (`_CLUSTER_MERGE`): a split exactly where `num_splits` splits, into a
-    cluster size of `_CLUSTER_SIZES` whose CTAs all fit on the SMs at once, the fewest blocks per CTA
-    (the smaller cluster on a tie)."""
-    assert A.cluster_splits(1, 10, 132) == 8  # 2 blocks per CTA (5 CTAs busy)
-    assert A.cluster_splits(32, 10, 132) == 4  # 3 + 3 + 3 + 1 blocks, as num_splits
-    assert A.cluster_splits(7, 4, 132) == 4 and A.cluster_splits(40, 10, 132) == 2
-    for sms in (7, 132):
-        for ctas in range(1, 2 * sms + 2):
-            for blocks in range(1, 41):
-                ns = A.cluster_splits(ctas, blocks, sms)
-                assert (ns > 1) == (A.num_splits(ctas, blocks, sms) > 1) or ctas * 2 > sms, (ctas, blocks, sms)
-                assert ns == 1 or (ns in A._CLUSTER_SIZES and ctas * ns <= sms), (ctas, blocks, sms, ns)
-
-
-def test_cuda_cluster_build_lowers_for_sm90a():
-    """Without a GPU: the cluster-merge build (`_CLUSTER_MERGE`, 4 CTAs per query) lowers for sm_90a
-    as a cluster launch; its accumulator copy for the merge takes no shared memory of its own (the
-    planner places it over the tiles the block loop no longer needs), and the merge reads the other
-    CTAs' copies through distributed shared memory between two cluster barriers."""
-    import re
-
-    import tvm
-    from tilelang.engine import lower
-
-    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
-    smem = {}
-    for ns in (0, 4):
-        with target:
-            art = lower(A.attention_prim_func("packed_fp8", "bfloat16", 64, 512, 512**-0.5, "cuda", False, ns),
-                        target=target)
-        script = art.device_mod.script()
-        smem[ns] = int(re.search(r'"dyn_shared_memory_buf": (\d+)', script).group(1))
-        assert ('"cluster_dims": [4, 1, 1]' in script) == (ns == 4)
-    src = art.kernel_source
-    assert src.count("dsv41c_cluster_sync();") == 2 and "dsv41c_cluster_check(4)" in src
-    assert "dsv41c_ld_peer4(" in src and "ld.shared::cluster.v4.f32" in src
-    assert smem[4] == smem[0] < 200 * 1024, smem
-
-
 # ------------------------------------------------------------------------------------- GPU
 
 def splits_of(b, s, h, k):
@@ -513,17 +473,3 @@ def test_opcheck_gpu():
     with pytest.raises(ValueError, match="multiple of 128"):
         A.sparse_attn_packed(q64, args[1][..., :64].contiguous(), args[2][..., :2].contiguous(),
                              args[3][..., :32].contiguous(), args[4][..., :4].contiguous(), args[5], args[6], 0.125)
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_cluster_merge_gpu(monkeypatch):
-    """`_CLUSTER_MERGE`: the split decode merged on chip by a cluster of each query's CTAs, through
-    the GPU tests above of every split shape: released dims at batch 1 (8 CTAs, 3 without a block),
-    32 (4 CTAs), 20 (ragged) and 7 (short lists), a split prefill, and head counts off the CTA's 64."""
-    monkeypatch.setattr(A, "_CLUSTER_MERGE", 1)
-    for batch, topk in ((1, 512), (32, 512), (20, 472), (7, 72)):
-        test_sparse_attn_packed_released_dims_gpu(batch, topk)
-    test_sparse_attn_packed_prefill_gpu(3)
-    for h, d in ((4, 128), (72, 64)):
-        test_sparse_attn_small_heads_gpu(h, d, 5)

@@ -67,11 +67,6 @@ sum in fp32; a second kernel merges them: M = max_j m_j, o = sum_j acc_j e^(m_j 
 (sum_j l_j e^(m_j - M) + e^(sink - M)).  The split depends on the batch, so a sequence's output may
 differ by the rounding above between batch sizes.  The packed builds need d a multiple of 128 (a
 window row's scales must fill a 4-byte cp.async).
-Variant `_CLUSTER_MERGE` (off by default): a query's NS CTAs (2, 4 or 8, `cluster_splits`) run as
-one thread-block cluster; each leaves its acc, running max and sum in its shared memory (the acc over
-tiles the block loop no longer needs), and CTA j finalises heads j*64/NS.. of all NS from the
-others' shared memory (distributed shared memory), with the combine kernel's arithmetic: no fp32
-partials in HBM and no second kernel.
 """
 
 import functools
@@ -93,47 +88,6 @@ KINDS = ("plain", "packed_rows", "packed_fp8")  # kv rows; packed with a plain w
 _CUDA_THREADS = 256
 _CUDA_HEADS = 64  # heads per CTA (one wgmma M)
 _NEG_BIG = -1e30
-# 1: a split decode merges its CTAs' partials on chip, the CTAs of a query forming one thread-block
-# cluster (2, 4 or 8 CTAs) that reads the others' accumulators from their shared memory
-# (`_CLUSTER_PRELUDE`), instead of writing fp32 partials for the combine kernel.
-_CLUSTER_MERGE = 0
-_CLUSTER_SIZES = (2, 4, 8)  # cluster sizes the merge uses: powers of two that fit a GPC's SMs
-_CLUSTER_PAD = 8  # fp32 padding of a row of the shared accumulator copy: conflict-free 8-byte stores
-
-# The cluster barrier and the loads from another CTA's shared memory (distributed shared memory:
-# mapa + ld.shared::cluster) of the on-chip merge (`_CLUSTER_MERGE`).
-_CLUSTER_PRELUDE = r"""
-// Trap unless the kernel runs in clusters of ns CTAs (a launch without them would read wrong CTAs).
-__device__ __forceinline__ void dsv41c_cluster_check(unsigned ns) {
-  unsigned n;
-  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
-  if (n != ns) __trap();
-}
-
-__device__ __forceinline__ void dsv41c_cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
-// The shared::cluster address of p (this CTA's shared memory) in the CTA `rank` of the cluster.
-__device__ __forceinline__ unsigned dsv41c_peer(const void* p, unsigned rank) {
-  unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p)), r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
-  return r;
-}
-
-// The float at p in the shared memory of the cluster's CTA `rank`.
-__device__ __forceinline__ float dsv41c_ld_peer(const void* p, unsigned rank) {
-  float v;
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(dsv41c_peer(p, rank)) : "memory");
-  return v;
-}
-
-// The 4 floats at p (16-byte aligned) in the shared memory of the cluster's CTA `rank`, into v.
-__device__ __forceinline__ void dsv41c_ld_peer4(float* v, const void* p, unsigned rank) {
-  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
-               : "=f"(v[0]), "=f"(v[1]), "=f"(v[2]), "=f"(v[3]) : "r"(dsv41c_peer(p, rank)) : "memory");
-}
-"""
 
 
 # ------------------------------------------------------------------------------------- refs
@@ -312,17 +266,13 @@ def _cpu_prim_func(kind, dtype, H, d, scale):
 
 # ------------------------------------------------------------------------------------- CUDA
 
-def _cuda_prim_func(kind, H, d, scale, split, cluster=0):
+def _cuda_prim_func(kind, H, d, scale, split):
     """bf16 only (module docstring): CTAs of 256 threads, each HB heads of one query token.
     split False: grid (S, B, HG), a CTA walks the whole list and writes o.  split True: grid
     (NS, S, B*HG), CTA j walks the j-th run of ceil(blocks / NS) blocks and writes its partial
-    (acc, running max, sum) for `_combine_prim_func`.  cluster NS > 0 (`_CLUSTER_MERGE`): the split
-    with NS fixed, each query's NS CTAs one cluster that merges the partials on chip and writes o."""
+    (acc, running max, sum) for `_combine_prim_func`."""
     D = _dims()
-    B, S, K, N, NC = D["B"], D["S"], D["K"], D["N"], D["NC"]
-    NS = cluster if cluster else T.dynamic("NS")
-    runs = split or bool(cluster)  # the CTA walks its run of the list's blocks
-    assert not cluster or (cluster in _CLUSTER_SIZES and _CUDA_HEADS % cluster == 0)
+    B, S, K, N, NC, NS = D["B"], D["S"], D["K"], D["N"], D["NC"], T.dynamic("NS")
     HB, threads = _CUDA_HEADS, _CUDA_THREADS
     HG = -(-H // HB)
     vec = 8  # values per decoded item: 16 B of bf16 in shared memory
@@ -442,8 +392,8 @@ def _cuda_prim_func(kind, H, d, scale, split, cluster=0):
         cb = T.alloc_local((vec,), "uint8")  # one item's codes
         vl = T.alloc_local((vec,), bf)
         nxt = T.alloc_local((1,), "int32")
-        blk0 = bj * T.ceildiv(T.ceildiv(K, BLOCK), NS) if runs else 0
-        nb = T.max(T.min(T.ceildiv(T.ceildiv(K, BLOCK), NS), T.ceildiv(K, BLOCK) - blk0), 0) if runs \
+        blk0 = bj * T.ceildiv(T.ceildiv(K, BLOCK), NS) if split else 0
+        nb = T.max(T.min(T.ceildiv(T.ceildiv(K, BLOCK), NS), T.ceildiv(K, BLOCK) - blk0), 0) if split \
             else T.ceildiv(K, BLOCK)
         if tx < BLOCK:
             next_row(R, nxt, bb, bs, blk0, tx)
@@ -493,57 +443,7 @@ def _cuda_prim_func(kind, H, d, scale, split, cluster=0):
             for h, c in T.Parallel(HB, d):
                 acc[h, c] = acc[h, c] * alpha[h]
             T.gemm(Ps, KVs, acc)
-        if cluster:  # the cluster's partials merged on chip
-            # Each CTA puts its acc (rows padded: conflict-free stores from the accumulator layout),
-            # running max and sum in its shared memory; after a cluster barrier CTA bj finalises
-            # heads bj*HB/NS .. of all NS, reading the others' through distributed shared memory:
-            # o = sum_j acc_j e^(m_j - M) / (sum_j l_j e^(m_j - M) + e^(sink - M)), M = max_j m_j,
-            # in j order, the combine kernel's arithmetic.  A second cluster barrier keeps every
-            # CTA's shared memory alive until the others are done reading it.
-            rows = HB // NS
-            Xs = T.alloc_shared((HB, d + _CLUSTER_PAD), f32)  # (the planner places it over dead Qs, KVs)
-            Ms = T.alloc_shared((HB,), f32)
-            Ls = T.alloc_shared((HB,), f32)
-            mj = T.alloc_local((NS,), f32)
-            xv = T.alloc_local((4,), f32)
-            ov = T.alloc_local((4,), f32)
-            ob = T.alloc_local((4,), bf)
-            mx = T.alloc_var(f32)
-            dn = T.alloc_var(f32)
-            w = T.alloc_var(f32)
-            T.call_extern("handle", "dsv41c_cluster_check", NS)
-            T.sync_threads()  # every warp's last GEMM is done with Qs and KVs
-            for h in T.Parallel(HB):
-                Ms[h] = mrun[h]
-                Ls[h] = den[h]
-            for h, c in T.Parallel(HB, d):
-                Xs[h, c] = acc[h, c]
-            T.call_extern("handle", "dsv41c_cluster_sync")
-            for u in T.serial(T.ceildiv(rows * d // 4, threads)):
-                f = u * threads + tx
-                h = bj * rows + f // (d // 4)
-                c = f % (d // 4) * 4
-                if f < rows * d // 4 and bh * HB + h < H:
-                    mx = _f32_const(_NEG_BIG)
-                    for j in T.unroll(NS):
-                        mj[j] = T.call_extern(f32, "dsv41c_ld_peer", T.address_of(Ms[h]), j)
-                        mx = T.max(mx, mj[j])
-                    dn = T.float32(0)
-                    for v in T.unroll(4):
-                        ov[v] = T.float32(0)
-                    for j in T.unroll(NS):
-                        w = T.exp(mj[j] - mx)
-                        dn = dn + T.call_extern(f32, "dsv41c_ld_peer", T.address_of(Ls[h]), j) * w
-                        T.call_extern("handle", "dsv41c_ld_peer4", T.address_of(xv[0]), T.address_of(Xs[h, c]), j)
-                        for v in T.unroll(4):
-                            ov[v] = ov[v] + xv[v] * w
-                    dn = dn + T.exp(R["SINK"][bh * HB + h] - mx)
-                    for v in T.unroll(4):
-                        ob[v] = T.Cast(bf, ov[v] / dn)
-                    for v in T.vectorized(4):
-                        R["O"][bb, bs, bh * HB + h, c + v] = ob[v]
-            T.call_extern("handle", "dsv41c_cluster_sync")
-        elif split:  # unnormalised: the combine rescales every split to the final max
+        if split:  # unnormalised: the combine rescales every split to the final max
             for h in T.Parallel(HB):
                 if bh * HB + h < H:
                     R["MP"][bb, bs, bj, bh * HB + h] = mrun[h]
@@ -577,18 +477,13 @@ def _cuda_prim_func(kind, H, d, scale, split, cluster=0):
 
     @T.macro
     def run(R):
-        if cluster:
-            with T.Kernel(NS, S, B * HG, threads=threads, prelude=_CLUSTER_PRELUDE,
-                          cluster_dims=(NS, 1, 1)) as (bj, bs, bz):
-                attend(R, bj, bs, bz // HG, bz % HG)
-        elif split:
+        if split:
             with T.Kernel(NS, S, B * HG, threads=threads) as (bj, bs, bz):
                 attend(R, bj, bs, bz // HG, bz % HG)
         else:
             with T.Kernel(S, B, HG, threads=threads) as (bs, bb, bh):
                 attend(R, 0, bs, bb, bh)
 
-    # (the cluster kernel writes o: the whole-list kernel's arguments)
     if kind == "plain" and split:
         @T.prim_func
         def main(Q_: qt, KV: wt, IDX: it, OP: opt, MP: mpt, LP: lpt, NV: T.int32):
@@ -664,18 +559,16 @@ def _combine_prim_func(H, d):
 
 # ------------------------------------------------------------------------------------- builds
 
-def attention_prim_func(kind: str, dtype: str, H: int, d: int, scale: float, target: str, split: bool = False,
-                        cluster: int = 0):
+def attention_prim_func(kind: str, dtype: str, H: int, d: int, scale: float, target: str, split: bool = False):
     """The prim_func of one op variant: kind in KINDS, dtype "float32"/"bfloat16", target "c"/"cuda";
-    split (CUDA only): the kernel writing one split's partials, merged by `combine_prim_func`;
-    cluster NS (CUDA only): the split over NS CTAs merged on chip by a cluster of them."""
+    split (CUDA only): the kernel writing one split's partials, merged by `combine_prim_func`."""
     if kind not in KINDS or dtype not in ("float32", "bfloat16") or H < 1 or d < 1:
         raise ValueError(f"sparse_attn kernels: unknown kind/dtype/shape {kind!r}/{dtype!r}/H={H}/d={d}")
     if target == "c":
-        if split or cluster:
+        if split:
             raise ValueError("sparse_attn kernels: the C build has no split variant")
         return _cpu_prim_func(kind, dtype, H, d, scale)
-    return _cuda_prim_func(kind, H, d, scale, split, cluster)
+    return _cuda_prim_func(kind, H, d, scale, split)
 
 
 def combine_prim_func(H: int, d: int):
@@ -684,12 +577,12 @@ def combine_prim_func(H: int, d: int):
 
 
 @functools.lru_cache(maxsize=None)
-def build(kind: str, dtype: str, H: int, d: int, scale: float, target: str, split: bool = False, cluster: int = 0):
+def build(kind: str, dtype: str, H: int, d: int, scale: float, target: str, split: bool = False):
     """Compiled kernel, once per process per key; target "c" (CPU) or "cuda[:sm_XX]"; kind "combine"
     is the merge of a split call (dtype and scale unused)."""
     if kind == "combine":
         return compile_for(combine_prim_func(H, d), target)
-    fn = attention_prim_func(kind, dtype, H, d, scale, "c" if target == "c" else "cuda", split, cluster)
+    fn = attention_prim_func(kind, dtype, H, d, scale, "c" if target == "c" else "cuda", split)
     return compile_for(fn, target)
 
 
@@ -702,16 +595,6 @@ def num_splits(ctas: int, blocks: int, sms: int) -> int:
         return 1
     per_cta = next(n for n in range(1, blocks + 1) if ctas * -(-blocks // n) <= sms)
     return -(-blocks // per_cta)
-
-
-def cluster_splits(ctas: int, blocks: int, sms: int) -> int:
-    """CTAs per query (NS) for the on-chip merge (`_CLUSTER_MERGE`): 1 where `num_splits` does not
-    split; otherwise the cluster size in `_CLUSTER_SIZES` that gives each CTA the fewest blocks
-    while all ctas * NS CTAs fit on the SMs at once (the smaller size on a tie)."""
-    if num_splits(ctas, blocks, sms) == 1:
-        return 1
-    fits = [n for n in _CLUSTER_SIZES if ctas * n <= sms] or [1]
-    return min(fits, key=lambda n: (-(-blocks // n), n))
 
 
 @functools.cache
@@ -770,11 +653,9 @@ def _run(kind, q, srcs, sink, idx, scale):
     sink, idx = _arg(sink, target), _arg(idx, target)
     ns = 1
     if target != "c":
-        plan = cluster_splits if _CLUSTER_MERGE else num_splits
-        ns = plan(b * s * -(-h // _CUDA_HEADS), -(-idx.shape[-1] // BLOCK), _sm_count(q.device.index))
-    if ns == 1 or _CLUSTER_MERGE:
-        kernel = build(*kernel_key) if ns == 1 else build(*kernel_key, False, ns)
-        kernel(qa, *srcs, sink, idx, _arg(out, target), nv)
+        ns = num_splits(b * s * -(-h // _CUDA_HEADS), -(-idx.shape[-1] // BLOCK), _sm_count(q.device.index))
+    if ns == 1:
+        build(*kernel_key)(qa, *srcs, sink, idx, _arg(out, target), nv)
         return out
     acc = q.new_empty((b, s, ns, h, d), dtype=torch.float32)
     m, l = (q.new_empty((b, s, ns, h), dtype=torch.float32) for _ in range(2))
