@@ -79,7 +79,14 @@ from types import SimpleNamespace
 import tilelang.cpu.language as TC
 import tilelang.language as T
 import torch
-from dsv41c.tilelang_kernels.quant import NO_SYNC_ATTR, _bits, _store, compile_for, define_op, kernel_target
+from dsv41c.tilelang_kernels.quant import (
+    NO_SYNC_ATTR,
+    _bits,
+    _store,
+    compile_for,
+    define_op,
+    kernel_target,
+)
 
 from dsv41c import mhc
 
