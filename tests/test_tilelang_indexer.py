@@ -372,6 +372,22 @@ def _sm90_scores_source():
         return tilelang.lower(main, target=tgt).kernel_source
 
 
+@pytest.mark.gpu
+@cuda
+def test_cuda_scores_128_key_tiles(monkeypatch):
+    """Scoring tiles of 128 keys on one warpgroup per CTA (5 CTAs per SM instead of 2 of 256 keys),
+    against the ref: decode with and without candidates, and a causal prefill."""
+    for name, value in (("_BN", 128), ("_THREADS", 128), ("_CTAS_PER_SM", 5)):
+        monkeypatch.setattr(K, name, value)
+    K.build.cache_clear()  # builds are cached per op key, which does not name the tile size
+    try:
+        test_cuda_scores_released_dims_decode(1, 100003, True)
+        test_cuda_scores_released_dims_decode(32, 8269, False)
+        test_cuda_scores_prefill(True, 1, 1030, 4)
+    finally:
+        K.build.cache_clear()
+
+
 def test_cuda_scores_lower_for_sm90():
     """Without a GPU: the decode build lowers with the warp vote for the one-multiply decode and the
     epilogue's relu and weight product on bf16 pairs."""

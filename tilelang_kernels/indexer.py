@@ -461,7 +461,11 @@ def candidate_blocks(block_max, visible_len, *, topk_blocks):
 # ------------------------------------------------------------------------------------- CUDA builds
 
 _BN = 256  # CUDA scoring: keys per tile (the GEMM's M), one thread per key in the epilogue
-_THREADS = 256  # two warpgroups, each multiplying 128 of the tile's keys
+_THREADS = 256  # two warpgroups, each multiplying 128 of the tile's keys (= _BN)
+# scoring CTAs resident per SM (the plan of `cuda_tiles_per_cta`): 2 at the defaults, whose 75.8 KB of
+# shared memory a CTA (87 registers x 256 threads) allow no third; with _BN = _THREADS = 128 a CTA
+# needs 42 KB and 72 registers, so 5 fit (not yet timed)
+_CTAS_PER_SM = 2
 
 # Decode of one key's scale block (16 code bytes, one UE8M0 byte) into 32 bf16 operand values with
 # the scale folded in, on the ALU (no table, no shared memory).  Code nibble j of a 32-bit word
@@ -527,11 +531,12 @@ def _qperm(c):
     return c // 8 * 8 + c % 8 // 2 + c % 2 * 4
 
 
-def cuda_tiles_per_cta(n: int, rows: int, slots: int = 2 * 132) -> int:
-    """Key tiles each scoring CTA walks: the fewest that fit all CTAs in one wave of `slots` (2
-    resident per SM on an H200: ~75 KB of shared memory and 123 registers x 256 threads each), at
-    most 16; a longer walk loads the query once for more keys, and every tile after the first has
-    its key bytes in flight during the previous tile's decode, GEMM and epilogue."""
+def cuda_tiles_per_cta(n: int, rows: int, slots: int | None = None) -> int:
+    """Key tiles each scoring CTA walks: the fewest that fit all CTAs in one wave of `slots`
+    (default `_CTAS_PER_SM` per SM of an H200's 132), at most 16; a longer walk loads the query once
+    for more keys, and every tile after the first has its key bytes in flight during the previous
+    tile's decode, GEMM and epilogue."""
+    slots = _CTAS_PER_SM * 132 if slots is None else slots
     tiles = -(-n // _BN)
     return max(1, min(16, tiles, -(-tiles * rows // slots)))
 
@@ -558,6 +563,7 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
       rounded once.  One thread per key then applies the visibility and candidate masks, stores
       the score, and takes the block max over 8 keys by three xor shuffles.
     """
+    assert _BN == _THREADS, "one thread per key of a tile in the epilogue"
     if H % 8 or H > 256 or d not in (32, 64, 128, 256):
         raise ValueError(f"index_scores: the CUDA build needs H a multiple of 8 (at most 256) and d in "
                          f"32/64/128/256, got H={H}, d={d}")
