@@ -462,9 +462,9 @@ def candidate_blocks(block_max, visible_len, *, topk_blocks):
 
 _BN = 256  # CUDA scoring: keys per tile (the GEMM's M), one thread per key in the epilogue
 _THREADS = 256  # two warpgroups, each multiplying 128 of the tile's keys (= _BN)
-# scoring CTAs resident per SM (the plan of `cuda_tiles_per_cta`): 2 at the defaults, whose 75.8 KB of
-# shared memory a CTA (87 registers x 256 threads) allow no third; with _BN = _THREADS = 128 a CTA
-# needs 42 KB and 72 registers, so 5 fit (not yet timed)
+# scoring CTAs resident per SM (the plan of `cuda_tiles_per_cta`): 2 at the defaults (a CTA takes
+# 75.8 KB of shared memory, which leaves no room for a third, and 87 registers x 256 threads); with
+# _BN = _THREADS = 128 a CTA takes 42 KB and 72 registers x 128 threads, so 5 fit (not yet timed)
 _CTAS_PER_SM = 2
 
 # Decode of one key's scale block (16 code bytes, one UE8M0 byte) into 32 bf16 operand values with
