@@ -374,10 +374,12 @@ def _sm90_scores_source():
 
 @pytest.mark.gpu
 @cuda
-def test_cuda_scores_128_key_tiles(monkeypatch):
-    """Scoring tiles of 128 keys on one warpgroup per CTA (5 CTAs per SM instead of 2 of 256 keys),
-    against the ref: decode with and without candidates, and a causal prefill."""
-    for name, value in (("_BN", 128), ("_THREADS", 128), ("_CTAS_PER_SM", 5)):
+@pytest.mark.parametrize("bn,ctas", ((256, 3), (128, 5)), ids=["3x256", "5x128"])
+def test_cuda_scores_more_ctas_per_sm(bn, ctas, monkeypatch):
+    """More scoring CTAs per SM than the default 2 of 256 keys: 3 of 256 keys (at most 85 registers
+    a thread) or 5 of 128 keys on one warpgroup each, against the ref: decode with and without
+    candidates, and a causal prefill."""
+    for name, value in (("_BN", bn), ("_THREADS", bn), ("_CTAS_PER_SM", ctas)):
         monkeypatch.setattr(K, name, value)
     K.build.cache_clear()  # builds are cached per op key, which does not name the tile size
     try:
@@ -389,11 +391,12 @@ def test_cuda_scores_128_key_tiles(monkeypatch):
 
 
 def test_cuda_scores_lower_for_sm90():
-    """Without a GPU: the decode build lowers with the warp vote for the one-multiply decode and the
-    epilogue's relu and weight product on bf16 pairs."""
+    """Without a GPU: the decode build lowers with the warp vote for the one-multiply decode, the
+    epilogue's relu and weight product on bf16 pairs, and launch bounds for `_CTAS_PER_SM` CTAs."""
     src = _sm90_scores_source()
     assert "dsv41c_decode_block" in src and "__all_sync(0xffffffffu, s <= 128u)" in src
     assert "tl::mul2(" in src and "tl::max2(" in src
+    assert f"__launch_bounds__({K._THREADS}, {K._CTAS_PER_SM})" in src  # the tile plan's CTAs per SM
 
 
 def test_sass_tool_counts_the_longest_loop(monkeypatch):

@@ -462,9 +462,10 @@ def candidate_blocks(block_max, visible_len, *, topk_blocks):
 
 _BN = 256  # CUDA scoring: keys per tile (the GEMM's M), one thread per key in the epilogue
 _THREADS = 256  # two warpgroups, each multiplying 128 of the tile's keys (= _BN)
-# scoring CTAs resident per SM (the plan of `cuda_tiles_per_cta`): 2 at the defaults (a CTA takes
-# 75.8 KB of shared memory, which leaves no room for a third, and 87 registers x 256 threads); with
-# _BN = _THREADS = 128 a CTA takes 42 KB and 72 registers x 128 threads, so 5 fit (not yet timed)
+# scoring CTAs resident per SM: the wave `cuda_tiles_per_cta` plans for, and the launch bounds' minimum
+# (the register budget).  2 at the defaults (74 KB of shared memory and 87 registers x 256 threads a
+# CTA).  Not yet timed: 3 (74 KB x 3 fits; ptxas then keeps to 71 registers without spills), or 5
+# with _BN = _THREADS = 128 (42 KB, 79 registers x 128 threads)
 _CTAS_PER_SM = 2
 
 # Decode of one key's scale block (16 code bytes, one UE8M0 byte) into 32 bf16 operand values with
@@ -606,6 +607,7 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
              SC: T.Tensor((B, S, N), "bfloat16"), BM: T.Tensor((B, S, NB) if bmax else (1,), "bfloat16"),
              tpc: T.int32):
         with T.Kernel(S, T.ceildiv(N, _BN * tpc), B, threads=_THREADS, prelude=_DECODE_PRELUDE) as (s, bx, b):
+            T.annotate_min_blocks_per_sm(_CTAS_PER_SM)  # the plan's CTAs per SM, in the register budget
             tx = T.get_thread_binding()
             Qs = T.alloc_shared((H, d), "bfloat16")
             As = T.alloc_shared((_BN, d), "bfloat16")
