@@ -465,7 +465,7 @@ _THREADS = 256  # two warpgroups, each multiplying 128 of the tile's keys (= _BN
 # scoring CTAs resident per SM: the wave `cuda_tiles_per_cta` plans for, and the launch bounds' minimum
 # (the register budget).  2 at the defaults (74 KB of shared memory and 87 registers x 256 threads a
 # CTA).  Not yet timed: 3 (74 KB x 3 fits; ptxas then keeps to 71 registers without spills), or 5
-# with _BN = _THREADS = 128 (42 KB, 79 registers x 128 threads)
+# with _BN = _THREADS = 128 (41 KB, 79 registers x 128 threads)
 _CTAS_PER_SM = 2
 
 # Decode of one key's scale block (16 code bytes, one UE8M0 byte) into 32 bf16 operand values with
