@@ -473,24 +473,3 @@ def test_opcheck_gpu():
     with pytest.raises(ValueError, match="multiple of 128"):
         A.sparse_attn_packed(q64, args[1][..., :64].contiguous(), args[2][..., :2].contiguous(),
                              args[3][..., :32].contiguous(), args[4][..., :4].contiguous(), args[5], args[6], 0.125)
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_sparse_attn_512_threads_gpu(monkeypatch):
-    """CTAs of 512 threads (four warpgroups; the decode's items in a loop), through the GPU tests
-    above: released dims split (batch 1, 32) and whole (140), a split and a whole prefill, head
-    counts off the CTA's 64."""
-    monkeypatch.setattr(A, "_CUDA_THREADS", 512)
-    monkeypatch.setattr(A, "_DECODE_UNROLL", 0)
-    A.build.cache_clear()  # builds are cached per op key, which does not name the CTA size
-    try:
-        for batch, topk in ((1, 512), (32, 512), (140, 512)):
-            test_sparse_attn_packed_released_dims_gpu(batch, topk)
-        for s in (96, 3):
-            test_sparse_attn_packed_prefill_gpu(s)
-        for h, d in ((4, 128), (72, 64)):
-            test_sparse_attn_small_heads_gpu(h, d, 5)
-    finally:
-        A.build.cache_clear()
-

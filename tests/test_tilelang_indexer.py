@@ -374,11 +374,11 @@ def _sm90_scores_source():
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("bn,ctas", ((256, 3), (128, 5)), ids=["3x256", "5x128"])
-def test_cuda_scores_more_ctas_per_sm(bn, ctas, monkeypatch):
-    """More scoring CTAs per SM than the default 2 of 256 keys: 3 of 256 keys (at most 85 registers
-    a thread) or 5 of 128 keys on one warpgroup each, against the ref: decode with and without
-    candidates, and a causal prefill."""
+@pytest.mark.parametrize("bn,ctas", ((256, 2), (256, 3)), ids=["2x256", "3x256"])
+def test_cuda_scores_other_tiles(bn, ctas, monkeypatch):
+    """The scoring on the other timed tile shapes than the default 5 CTAs of 128 keys: 256 keys on
+    two warpgroups, 2 or 3 CTAs per SM, against the ref: decode
+    with and without candidates, and a causal prefill."""
     for name, value in (("_BN", bn), ("_THREADS", bn), ("_CTAS_PER_SM", ctas)):
         monkeypatch.setattr(K, name, value)
     K.build.cache_clear()  # builds are cached per op key, which does not name the tile size

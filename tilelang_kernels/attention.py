@@ -85,9 +85,8 @@ __all__ = ["BLOCK", "KINDS", "attention_prim_func", "build", "combine_prim_func"
 
 BLOCK = 64  # list entries per online-softmax step (§6.8)
 KINDS = ("plain", "packed_rows", "packed_fp8")  # kv rows; packed with a plain window; packed with an FP8 ring
-_CUDA_THREADS = 256  # 512 (not yet timed): 16 warps per SM instead of 8, at most 128 registers each
+_CUDA_THREADS = 256  # 512 builds and runs (16 warps per SM, spilling at 128 registers) but was no faster
 _CUDA_HEADS = 64  # heads per CTA (one wgmma M)
-_DECODE_UNROLL = 1  # 0: the decode's items in a loop (fewer live registers: 512 threads spill less)
 _NEG_BIG = -1e30
 
 
@@ -325,7 +324,7 @@ def _cuda_prim_func(kind, H, d, scale, split):
     def decode(stage, stage_s, rowS, buf, KVs, lut, cb, vl, bb, tx):
         """The staged rows named in rowS[buf] into KVs [BLOCK, d] as bf16 (zeros for -1): each item
         (8 values) is read from the stage and scales, decoded and stored as one 16-byte vector."""
-        for u in (T.unroll if _DECODE_UNROLL else T.serial)(items):
+        for u in T.unroll(items):
             r = (u * threads + tx) // per_row
             c0 = (u * threads + tx) % per_row * vec
             if rowS[buf, r] < 0:

@@ -39,7 +39,7 @@ CPU (C target): one program per query, serial loops.  bf16 travels as its uint16
 
 CUDA (sm_90a): the scoring decodes the keys on the ALU straight into a bf16 operand tile with
 the UE8M0 scale folded in (exact: it is the dequantised key the ref multiplies), and runs one
-[256 keys x d] x [d x H] GEMM per tile on the tensor cores (wgmma); each CTA walks a range of
+[128 keys x d] x [d x H] GEMM per tile on the tensor cores (wgmma); each CTA walks a range of
 tiles with the next tile's key bytes in flight during the current tile's GEMM and epilogue.  The
 summation order inside the GEMM and over the heads differs from the C build's, so a score may move
 by one bf16 step where a sum is inexact (rare; the GPU tests bound it).  The select splits each
@@ -460,13 +460,14 @@ def candidate_blocks(block_max, visible_len, *, topk_blocks):
 
 # ------------------------------------------------------------------------------------- CUDA builds
 
-_BN = 256  # CUDA scoring: keys per tile (the GEMM's M), one thread per key in the epilogue
-_THREADS = 256  # two warpgroups, each multiplying 128 of the tile's keys (= _BN)
+_BN = 128  # CUDA scoring: keys per tile (the GEMM's M), one thread per key in the epilogue
+_THREADS = 128  # one warpgroup multiplying the tile's keys (= _BN)
 # scoring CTAs resident per SM: the wave `cuda_tiles_per_cta` plans for, and the launch bounds' minimum
-# (the register budget).  2 at the defaults (74 KB of shared memory and 87 registers x 256 threads a
-# CTA).  Not yet timed: 3 (74 KB x 3 fits; ptxas then keeps to 71 registers without spills), or 5
-# with _BN = _THREADS = 128 (41 KB, 79 registers x 128 threads)
-_CTAS_PER_SM = 2
+# (the register budget).  5 at the defaults (41 KB of shared memory and 79 registers x 128 threads a
+# CTA): the CTAs' phases (loads, decode, GEMM, epilogue, each ended by a barrier) overlap across
+# more independent CTAs.  Timed on an H200 against 2 CTAs of 256 keys (two warpgroups, 87
+# registers) and 3 of 256 (71 registers): BENCHMARKS.md, indexer section.
+_CTAS_PER_SM = 5
 
 # Decode of one key's scale block (16 code bytes, one UE8M0 byte) into 32 bf16 operand values with
 # the scale folded in, on the ALU (no table, no shared memory).  Code nibble j of a 32-bit word
@@ -544,10 +545,10 @@ def cuda_tiles_per_cta(n: int, rows: int, slots: int | None = None) -> int:
 
 def _cuda_scores_prim_func(H, d, visible, cand, bmax):
     """Scores on the tensor cores; grid (S, key ranges, B) (S first: a long prefill passes the
-    65535 limit of the other grid dims), 256 threads (two warpgroups).
+    65535 limit of the other grid dims), `_THREADS` threads (one warpgroup at the default).
 
     A CTA loads its query's H x d bf16 (columns permuted as the decode stores the keys) and its H
-    weights once, then walks `tpc` tiles of 256 keys.  Per tile:
+    weights once, then walks `tpc` tiles of `_BN` keys.  Per tile:
     - key bytes: thread t owns d/32 (key, scale block) units; the 32 / (d/32) lanes of a warp that
       share a block take consecutive keys, so one warp-wide 16-byte load reads 512 contiguous
       bytes.  The next tile's units are loaded into registers before this tile's GEMM, so the
@@ -556,9 +557,9 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
       layer reads only its candidate blocks' keys; a tile without any needed key skips the decode
       and the GEMM (the flag is CTA-uniform).
     - decode (`_DECODE_PRELUDE`): the E2M1 codes times the UE8M0 scale, exact, into one shared
-      [256, d] bf16 operand tile (16-byte stores; the 8 lanes of a quarter warp write 8 different
+      [_BN, d] bf16 operand tile (16-byte stores; the 8 lanes of a quarter warp write 8 different
       rows of the 128-byte swizzle: no bank conflicts).
-    - one GEMM [256 keys x d] x [d x H] (wgmma, fp32 accumulation, each warpgroup 128 keys).
+    - one GEMM [_BN keys x d] x [d x H] (wgmma, fp32 accumulation, each warpgroup 128 keys).
     - epilogue on the accumulator: round to bf16, relu, times w, round to bf16 (§6.5(d)); the sum
       over the H heads (fp32: each thread its own columns, then across the 4 lanes of a row) is
       rounded once.  One thread per key then applies the visibility and candidate masks, stores
