@@ -324,19 +324,23 @@ def block_max_of(sc):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("with_cand", (False, True), ids=["all", "cand"])
+@pytest.mark.parametrize("kept", (None, 0.25, 0.02, 1.0), ids=["all", "cand", "sparse", "allkept"])
 @pytest.mark.parametrize("b,n", ((1, 8269), (32, 8269), (1, 100003)))
-def test_cuda_scores_released_dims_decode(b, n, with_cand):
+def test_cuda_scores_released_dims_decode(b, n, kept):
     """32 heads x 128, one query per sequence, keys a strided view of a larger cache; n is no multiple of the
-    256-key tile, and batch 32 / 100K keys make each CTA walk several tiles."""
+    128-key tile, and batch 32 / 100K keys make each CTA walk several tiles.  With candidate blocks
+    (a fraction `kept` of them, the last, partial block among them) each CTA gathers its kept
+    blocks into tiles: a range without any, a few, or all of them (as many tiles as without)."""
     seed = fresh_seed()
     q, codes, scales, w = make_inputs(b, 1, 32, 128, n, seed, rows=n + 100, device="cuda")
     # the keys as a cache read: a strided view of a larger buffer (passed uncopied)
     codes_v, scales_v = cache_read(codes, n + 300, b + 1), cache_read(scales, n + 300, b + 1)
     cand = None
-    if with_cand:
-        cand = torch.rand(b, 1, -(-n // 8), device="cuda") < 0.25
-        cand[..., 300:700] = False  # whole key tiles without a kept block: skipped by the kernel
+    if kept is not None:
+        cand = torch.rand(b, 1, -(-n // 8), device="cuda") < kept
+        if kept < 1:
+            cand[..., 300:700] = False  # whole key ranges without a kept block
+        cand[..., -1] = True
     sc, bm = K.index_scores(q, codes_v, scales_v, w, None, cand, n=n, block_max=True)
     ref, _ = K.index_scores_ref(*(t.cpu() for t in (q, codes, scales, w)), None,
                                 None if cand is None else cand.cpu(), n=n)
@@ -349,7 +353,7 @@ def test_cuda_scores_released_dims_decode(b, n, with_cand):
 @pytest.mark.parametrize("fq", (True, False), ids=["mxfp4_q", "bf16_q"])
 @pytest.mark.parametrize("b,s,ratio", ((2, 300, 1), (1, 1030, 4)))
 def test_cuda_scores_prefill(fq, b, s, ratio):
-    """Causal prefill: every query's visible edge, inside and across the 256-key tiles."""
+    """Causal prefill: every query's visible edge, inside and across the key tiles."""
     seed, n = fresh_seed(), s // ratio
     q, codes, scales, w = make_inputs(b, s, 32, 128, n, seed, fq=fq, device="cuda")
     vl = prefill_visible(s, ratio, "cuda")
@@ -383,8 +387,8 @@ def test_cuda_scores_other_tiles(bn, ctas, monkeypatch):
         monkeypatch.setattr(K, name, value)
     K.build.cache_clear()  # builds are cached per op key, which does not name the tile size
     try:
-        test_cuda_scores_released_dims_decode(1, 100003, True)
-        test_cuda_scores_released_dims_decode(32, 8269, False)
+        test_cuda_scores_released_dims_decode(1, 100003, 0.25)
+        test_cuda_scores_released_dims_decode(32, 8269, None)
         test_cuda_scores_prefill(True, 1, 1030, 4)
     finally:
         K.build.cache_clear()

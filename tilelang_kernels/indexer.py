@@ -54,6 +54,7 @@ import tilelang.language as T
 import torch
 import torch.nn.functional as F
 from dsv41c.tilelang_kernels.quant import (
+    NO_SYNC_ATTR,
     _e2m1_value,
     _e8m0_value,
     _store,
@@ -468,6 +469,7 @@ _THREADS = 128  # one warpgroup multiplying the tile's keys (= _BN)
 # more independent CTAs.  Timed on an H200 against 2 CTAs of 256 keys (two warpgroups, 87
 # registers) and 3 of 256 (71 registers): BENCHMARKS.md, indexer section.
 _CTAS_PER_SM = 5
+_MAX_TPC = 16  # key tiles a scoring CTA walks at most (`cuda_tiles_per_cta`)
 
 # Decode of one key's scale block (16 code bytes, one UE8M0 byte) into 32 bf16 operand values with
 # the scale folded in, on the ALU (no table, no shared memory).  Code nibble j of a 32-bit word
@@ -535,12 +537,12 @@ def _qperm(c):
 
 def cuda_tiles_per_cta(n: int, rows: int, slots: int | None = None) -> int:
     """Key tiles each scoring CTA walks: the fewest that fit all CTAs in one wave of `slots`
-    (default `_CTAS_PER_SM` per SM of an H200's 132), at most 16; a longer walk loads the query once
+    (default `_CTAS_PER_SM` per SM of an H200's 132), at most `_MAX_TPC`; a longer walk loads the query once
     for more keys, and every tile after the first has its key bytes in flight during the previous
     tile's decode, GEMM and epilogue."""
     slots = _CTAS_PER_SM * 132 if slots is None else slots
     tiles = -(-n // _BN)
-    return max(1, min(16, tiles, -(-tiles * rows // slots)))
+    return max(1, min(_MAX_TPC, tiles, -(-tiles * rows // slots)))
 
 
 def _cuda_scores_prim_func(H, d, visible, cand, bmax):
@@ -548,22 +550,27 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
     65535 limit of the other grid dims), `_THREADS` threads (one warpgroup at the default).
 
     A CTA loads its query's H x d bf16 (columns permuted as the decode stores the keys) and its H
-    weights once, then walks `tpc` tiles of `_BN` keys.  Per tile:
+    weights once, then walks its range of `tpc` tiles of `_BN` keys.  With candidate blocks it
+    first compacts the range's kept blocks into a shared list (warp ballots, one shared atomic
+    per warp for its slots; the list's order does not matter: each key's score is its own row of the GEMM),
+    writes -inf for the keys (and block maxima) of the others, and walks only ceil(kept / (_BN /
+    8)) tiles, each gathering _BN / 8 listed blocks.  So a Reindex layer reads and decodes only its
+    candidate blocks' keys; a range with every block kept costs what it does without candidates.
+    Per tile:
     - key bytes: thread t owns d/32 (key, scale block) units; the 32 / (d/32) lanes of a warp that
       share a block take consecutive keys, so one warp-wide 16-byte load reads 512 contiguous
-      bytes.  The next tile's units are loaded into registers before this tile's GEMM, so the
-      loads travel during the GEMM and the epilogue.  Keys whose score is -inf anyway (past the
-      visible length, outside the candidate blocks) are not read (zeros instead), so a Reindex
-      layer reads only its candidate blocks' keys; a tile without any needed key skips the decode
-      and the GEMM (the flag is CTA-uniform).
+      bytes (at d = 128: one candidate block).  The next tile's units are loaded into registers
+      before this tile's GEMM, so the loads travel during the GEMM and the epilogue.  Keys whose
+      score is -inf anyway (past the visible length) are not read (zeros instead); a tile without
+      any needed key skips the decode and the GEMM (the flag is CTA-uniform).
     - decode (`_DECODE_PRELUDE`): the E2M1 codes times the UE8M0 scale, exact, into one shared
       [_BN, d] bf16 operand tile (16-byte stores; the 8 lanes of a quarter warp write 8 different
       rows of the 128-byte swizzle: no bank conflicts).
     - one GEMM [_BN keys x d] x [d x H] (wgmma, fp32 accumulation, each warpgroup 128 keys).
     - epilogue on the accumulator: round to bf16, relu, times w, round to bf16 (§6.5(d)); the sum
       over the H heads (fp32: each thread its own columns, then across the 4 lanes of a row) is
-      rounded once.  One thread per key then applies the visibility and candidate masks, stores
-      the score, and takes the block max over 8 keys by three xor shuffles.
+      rounded once.  One thread per key then applies the visibility mask, stores the score, and
+      takes the block max over 8 keys (8 consecutive rows: one block) by three xor shuffles.
     """
     assert _BN == _THREADS, "one thread per key of a tile in the epilogue"
     if H % 8 or H > 256 or d not in (32, 64, 128, 256):
@@ -574,12 +581,17 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
     rows_per_warp = 32 // nsb  # keys one warp-wide load covers
     units = _BN * nsb // _THREADS  # (key, scale block) units per thread and tile
     warps = _THREADS // 32
+    tile_blocks = _BN // BLOCK
+    neg_inf = T.float32(-T.infinity("float32"))
 
-    def needed(CAND, b, s, t, lim):
-        """Key t can score above -inf: below the visible length and in a kept candidate block."""
+    def row_key(LS, bx, tpc, it, r, nc):
+        """(key, listed) of row r of the CTA's tile it: the range's tile it, or with candidates the
+        r // 8-th block of the tile's share of the list (listed: that entry exists)."""
         if cand:
-            return T.And(t < lim, CAND[b, s, T.min(t, lim - 1) // BLOCK] != T.uint8(0))
-        return t < lim
+            j = it * tile_blocks + r // BLOCK
+            blk = bx * tpc * tile_blocks + T.Cast("int32", LS[T.min(j, _MAX_TPC * tile_blocks - 1)])
+            return blk * BLOCK + r % BLOCK, j < nc
+        return (bx * tpc + it) * _BN + r, T.bool(True)
 
     def unit_key(tx, u):
         """(key row within the tile, scale block) of thread tx's unit u."""
@@ -587,14 +599,15 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
         return (u * warps + tx // 32) * rows_per_warp + lane % rows_per_warp, lane // rows_per_warp
 
     @T.macro
-    def load(CODES, SCALES, CAND, cl, sl, b, s, t0, lim, tx):
-        """The units' code bytes (16-byte loads) and scale bytes of the tile at key t0."""
+    def load(CODES, SCALES, LS, cl, sl, b, bx, tpc, it, nc, lim, tx):
+        """The units' code bytes (16-byte loads) and scale bytes of the CTA's tile it."""
         for u in T.unroll(units):
             r, j = unit_key(tx, u)
-            if needed(CAND, b, s, t0 + r, lim):
+            t, listed = row_key(LS, bx, tpc, it, r, nc)
+            if T.And(listed, t < lim):
                 for e in T.vectorized(16):
-                    cl[u, e] = CODES[b, t0 + r, j * 16 + e]
-                sl[u] = SCALES[b, t0 + r, j]
+                    cl[u, e] = CODES[b, t, j * 16 + e]
+                sl[u] = SCALES[b, t, j]
             else:
                 for e in T.vectorized(16):
                     cl[u, e] = T.uint8(0)
@@ -614,6 +627,8 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
             As = T.alloc_shared((_BN, d), "bfloat16")
             Ws = T.alloc_shared((H,), "bfloat16")
             Rs = T.alloc_shared((_BN,), "float32")
+            LS = T.alloc_shared((_MAX_TPC * tile_blocks if cand else 1,), "uint16")  # kept blocks, range offsets
+            cnt = T.alloc_shared((1,), "int32")
             acc = T.alloc_fragment((_BN, H), "float32")
             rsum = T.alloc_fragment((_BN,), "float32")
             cl = T.alloc_local((units, 16), "uint8")
@@ -621,17 +636,50 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
             al = T.alloc_local((32,), "bfloat16")
             sv = T.alloc_var("float32")
             live = T.alloc_var("int32")
+            nc = T.alloc_var("int32")
+            walk = T.alloc_var("int32")
+            base = T.alloc_var("int32")
             for h, c in T.Parallel(H, d):
                 Qs[h, c] = Q[b, s, h, _qperm(c)]
             for h in T.Parallel(H):
                 Ws[h] = W[b, s, h]
             lim = T.min(N, VL[s]) if visible else N
-            load(CODES, SCALES, CAND, cl, sl, b, s, bx * tpc * _BN, lim, tx)
-            for it in T.serial(tpc):
-                t0 = (bx * tpc + it) * _BN
-                t = t0 + tx  # this thread's key in the epilogue
-                T.sync_threads()  # the previous tile's readers of As and Rs are done
-                live = T.call_extern("int32", "__syncthreads_or", T.Cast("int32", needed(CAND, b, s, t, lim)))
+            nc = 0
+            walk = tpc
+            if cand:
+                if tx == 0:
+                    cnt[0] = 0
+                T.sync_threads()
+                for k in T.unroll(-(-_MAX_TPC * tile_blocks // _THREADS)):
+                    o = k * _THREADS + tx
+                    blk = bx * tpc * tile_blocks + o
+                    inr = T.And(o < tpc * tile_blocks, blk < NB)
+                    keep = T.And(inr, CAND[b, s, T.min(blk, NB - 1)] != T.uint8(0))
+                    # append o to the list where kept: one shared atomic per warp for its slots
+                    m = T.call_extern("uint32", "__ballot_sync", _u(0xFFFFFFFF), T.Cast("int32", keep))
+                    if m != _u(0):
+                        leader = T.call_extern("int32", "__ffs", m) - 1
+                        base = 0
+                        if tx % 32 == leader:
+                            base = T.atomic_add(cnt[0], T.call_extern("int32", "__popc", m), return_prev=True)
+                        base = T.call_extern("int32", "__shfl_sync", _u(0xFFFFFFFF), base, leader)
+                        if keep:
+                            below = m & ((_u(1) << T.Cast("uint32", tx % 32)) - _u(1))
+                            LS[base + T.call_extern("int32", "__popc", below)] = T.Cast("uint16", o)
+                    if T.And(inr, T.Not(keep)):
+                        for e in T.serial(BLOCK):
+                            if blk * BLOCK + e < N:
+                                SC[b, s, blk * BLOCK + e] = T.Cast("bfloat16", neg_inf)
+                        if bmax:
+                            BM[b, s, blk] = T.Cast("bfloat16", neg_inf)
+                T.sync_threads()
+                nc = cnt[0]
+                walk = T.ceildiv(nc, tile_blocks)
+            load(CODES, SCALES, LS, cl, sl, b, bx, tpc, 0, nc, lim, tx)
+            for it in T.serial(walk):
+                t, listed = row_key(LS, bx, tpc, it, tx, nc)  # this thread's key in the epilogue
+                # (a barrier: the previous tile's readers of As and Rs are done)
+                live = T.call_extern("int32", "__syncthreads_or", T.Cast("int32", T.And(listed, t < lim)))
                 if live != 0:
                     for u in T.unroll(units):
                         r, j = unit_key(tx, u)
@@ -640,8 +688,9 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                         for q in T.unroll(4):
                             for e in T.vectorized(8):
                                 As[r, j * 32 + q * 8 + e] = al[q * 8 + e]
-                if it + 1 < tpc:  # the next tile's bytes travel during this tile's GEMM
-                    load(CODES, SCALES, CAND, cl, sl, b, s, t0 + _BN, lim, tx)
+                if it + 1 < walk:  # the next tile's bytes travel during this tile's GEMM
+                    load(CODES, SCALES, LS, cl, sl, b, bx, tpc, it + 1, nc, lim, tx)
+                T.sync_threads()  # As is written
                 if live != 0:
                     T.gemm(As, Qs, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                     for i, h in T.Parallel(_BN, H):
@@ -656,19 +705,16 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                 sv = T.Cast("float32", T.Cast("bfloat16", Rs[tx]))
                 sv = T.Select(sv == T.float32(0), T.float32(0), sv)  # -0 -> +0
                 if visible:
-                    sv = T.Select(t >= VL[s], T.float32(-T.infinity("float32")), sv)
-                if cand:
-                    sv = T.Select(t < N and CAND[b, s, T.min(t, N - 1) // BLOCK] == T.uint8(0),
-                                  T.float32(-T.infinity("float32")), sv)
-                if t < N:
+                    sv = T.Select(t >= VL[s], neg_inf, sv)
+                if T.And(listed, t < N):
                     SC[b, s, t] = T.Cast("bfloat16", sv)
                 if bmax:
-                    sv = T.Select(t < N, sv, T.float32(-T.infinity("float32")))
+                    sv = T.Select(T.And(listed, t < N), sv, neg_inf)
                     for k in T.unroll(3):
                         sv = T.max(sv, T.shfl_xor(sv, 1 << k))
-                    if t < N and tx % BLOCK == 0:
+                    if T.And(T.And(listed, t < N), tx % BLOCK == 0):
                         BM[b, s, t // BLOCK] = T.Cast("bfloat16", sv)
-    return main
+    return main.with_attr(NO_SYNC_ATTR, 1)  # the barriers above are all it needs (TileLang's pass adds a redundant one)
 
 _SEL_THREADS = 256  # CUDA select: threads per CTA, one histogram bin each
 _SEL_VEC = 8  # CUDA select: consecutive scores per thread and chunk
