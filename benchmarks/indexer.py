@@ -3,8 +3,9 @@ plus the top-k and the candidate funnel, against eager torch, `torch.compile` of
 reference, and the bytes-moved bound.
 
     python3 benchmarks/indexer.py [--batch 1 32] [--context 8192 65536 262144] [--set NAME=VALUE ...]
-                                  [--json OUT.json]
+                                  [--json OUT.json] [--select-phases]
 
+--select-phases times only the top-k, launch by launch (see `select_phases`).
 --set overrides an integer constant of tilelang_kernels/indexer.py before the first build (a variant
 to time against the default in the same run); the table's header repeats the overrides.
 
@@ -104,6 +105,60 @@ def cycling(fn, caches, q, w, *rest):
     return run
 
 
+def select_phases(batches, contexts, k, blocks) -> None:
+    """Device time of each CUDA select launch of one `index_topk` call (the top-k alone, no
+    scoring): every prefix of the launches (zeroed histograms first) captured in a CUDA graph and
+    replayed, the differences printed; on dense random scores and on Reindex-like scores (`blocks`
+    random blocks of 8 kept, -inf elsewhere), 8 copies cycled so the scores come from HBM."""
+    print(f"\ndevice: {torch.cuda.get_device_name()}; index_topk k = {k}, select launches {K.SELECT_PHASES}\n")
+    print("| B | n | scores | zeroing us | " + " | ".join(f"{p} us" for p in K.SELECT_PHASES)
+          + " | index_topk us | exact |")
+    print("|---:|---:|---|" + "---:|" * (len(K.SELECT_PHASES) + 2) + "---|")
+    target = K.kernel_target(torch.empty(0, device="cuda"), "indexer")
+    for b in batches:
+        for n in contexts:
+            vl = torch.tensor([n], dtype=torch.int32, device="cuda")
+            parts, part = K.cuda_select_split(n, b)
+            for kind in ("dense", "reindex"):
+                copies = [torch.randn(b, 1, n, device="cuda").bfloat16() for _ in range(8)]
+                if kind == "reindex":
+                    for c in copies:
+                        keep = torch.rand(b, 1, -(-n // K.BLOCK), device="cuda") < blocks / (n / K.BLOCK)
+                        c.masked_fill_(~K.expand_blocks(keep, n), float("-inf"))
+                hist = torch.zeros(b, 1, 2, 256, dtype=torch.int32, device="cuda")
+                part_hist = torch.empty(b, 1, parts, 257, dtype=torch.int32, device="cuda")
+                out = torch.empty(b, 1, k, dtype=torch.int32, device="cuda")
+                bufs = (vl, hist, part_hist, out, part, k, 128)
+                t = [bench_graph(select_launches(copies, bufs, K.SELECT_PHASES[:m], target)) * 1e3
+                     for m in range(len(K.SELECT_PHASES) + 1)]
+                full = bench_graph(cycling_scores(copies, vl, k)) * 1e3
+                exact = torch.equal(K.index_topk(copies[1], vl, k=k, offset=128).cpu(),
+                                    K.index_topk_ref(copies[1].cpu(), vl.cpu(), k=k, offset=128))
+                print(f"| {b} | {n} | {kind} | {t[0]:.1f} | " + " | ".join(f"{t[i + 1] - t[i]:.1f}"
+                      for i in range(len(K.SELECT_PHASES))) + f" | {full:.1f} | {exact} |")
+
+
+def select_launches(copies, bufs, phases, target):
+    """The histograms zeroed, then the select launches `phases` of one top-k, on the next copy."""
+    it = [0]
+
+    def run():
+        it[0] += 1
+        bufs[1].zero_()
+        for phase in phases:
+            K.build("select", ("topk", phase), target)(copies[it[0] % len(copies)].view(torch.uint16), *bufs)
+    return run
+
+
+def cycling_scores(copies, vl, k):
+    it = [0]
+
+    def run():
+        it[0] += 1
+        return K.index_topk(copies[it[0] % len(copies)], vl, k=k, offset=128)
+    return run
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
@@ -115,8 +170,13 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                     help="override an integer constant of tilelang_kernels/indexer.py (a kernel variant)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--select-phases", action="store_true",
+                    help="only the top-k: the device time of each of its launches (no scoring, no table)")
     a = ap.parse_args()
     overrides = tuning(K, a.set)
+    if a.select_phases:
+        select_phases(a.batch, a.context, a.topk, a.blocks)
+        return
     torch.manual_seed(0)
     copy_gbs = copy_bandwidth()
     comp_score = None if a.no_compile else torch.compile(eager_score, dynamic=False)

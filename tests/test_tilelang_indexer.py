@@ -430,7 +430,7 @@ def test_sass_tool_counts_the_longest_loop(monkeypatch):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("n,k", ((8192, 512), (3000, 3000), (70000, 512), (100, 1)))
+@pytest.mark.parametrize("n,k", ((8192, 512), (3000, 3000), (70000, 512), (8195, 512), (100, 1)))
 def test_cuda_topk_bit_exact(n, k):
     seed, s = fresh_seed(), 5
     vl = torch.tensor([n, n - 3, n // 2, 1, 0], dtype=torch.int32)
@@ -456,7 +456,7 @@ def test_cuda_topk_long_row(k):
 def test_cuda_select_split():
     for n, rows in ((1, 1), (2048, 1), (262144, 1), (262144, 32), (8192, 4), (70000, 20)):
         parts, part = K.cuda_select_split(n, rows)
-        assert part % 2048 == 0 and (parts - 1) * part < n <= parts * part
+        assert part % (K._SEL_THREADS * K._SEL_VEC) == 0 and (parts - 1) * part < n <= parts * part
 
 
 @pytest.mark.gpu

@@ -391,9 +391,9 @@ def _select(mode, scores, visible_len, k, offset, out):
     b, s, n = scores.shape
     parts, part = cuda_select_split(n, b * s)
     hist = torch.zeros(b, s, 2, 256, dtype=torch.int32, device=scores.device)
-    counts = torch.empty(b, s, parts, 2, dtype=torch.int32, device=scores.device)
+    part_hist = torch.empty(b, s, parts, 257, dtype=torch.int32, device=scores.device)
     for phase in SELECT_PHASES:
-        build("select", (mode, phase), target)(sc, vl, hist, counts, out, part, k, offset)
+        build("select", (mode, phase), target)(sc, vl, hist, part_hist, out, part, k, offset)
 
 
 def _topk_fake(scores, visible_len, k, offset):
@@ -717,17 +717,31 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
     return main.with_attr(NO_SYNC_ATTR, 1)  # the barriers above are all it needs (TileLang's pass adds a redundant one)
 
 _SEL_THREADS = 256  # CUDA select: threads per CTA, one histogram bin each
-_SEL_VEC = 8  # CUDA select: consecutive scores per thread and chunk
-_SEL_CHUNK = _SEL_THREADS * _SEL_VEC
-SELECT_PHASES = ("hist0", "hist1", "count", "emit")
+_SEL_VEC = 8  # CUDA select: consecutive scores per thread and chunk (a multiple of 8: 16-byte loads)
+_SEL_CTAS_PER_SM = 4  # CUDA select: the split's CTAs per SM (`cuda_select_split`)
+SELECT_PHASES = ("hist0", "hist1", "emit")
+
+# The select's key loads: 8 consecutive bf16 scores as one 16-byte load where they are whole and
+# aligned (a row of n % 8 == 0 scores), else one at a time; zeros past the row.
+_FETCH_PRELUDE = r"""
+__device__ __forceinline__ void dsv41c_fetch8(const unsigned short* p, int left, unsigned short* out) {
+  if (left >= 8 && (reinterpret_cast<unsigned long long>(p) & 15ull) == 0ull) {
+    *reinterpret_cast<uint4*>(out) = __ldg(reinterpret_cast<const uint4*>(p));
+  } else {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) out[e] = e < left ? p[e] : (unsigned short)0;
+  }
+}
+"""
 
 
-def cuda_select_split(n: int, rows: int, slots: int = 4 * 132) -> tuple[int, int]:
-    """(parts P, scores per part) of each row for the CUDA select: about `slots` CTAs in all (4
-    per SM on an H200), each part a whole number of 2048-score chunks."""
-    chunks = max(1, -(-n // _SEL_CHUNK))
+def cuda_select_split(n: int, rows: int, slots: int | None = None) -> tuple[int, int]:
+    """(parts P, scores per part) of each row for the CUDA select: about `slots` CTAs in all
+    (default `_SEL_CTAS_PER_SM` per SM of an H200's 132), each part a whole number of chunks."""
+    slots = _SEL_CTAS_PER_SM * 132 if slots is None else slots
+    chunks = max(1, -(-n // (_SEL_THREADS * _SEL_VEC)))
     per = -(-chunks // max(1, min(chunks, -(-slots // rows))))
-    return -(-chunks // per), per * _SEL_CHUNK
+    return -(-chunks // per), per * _SEL_THREADS * _SEL_VEC
 
 
 def _cuda_select_prim_func(mode, phase):
@@ -737,18 +751,22 @@ def _cuda_select_prim_func(mode, phase):
            `__match_any_sync` groups the lanes with equal bins, one shared atomic per group) and
            adds them to the row's global histogram HIST[b, s, 0] (zeroed by the caller).
     hist1  every CTA finds the threshold bin b1 from HIST[b, s, 0] (a block scan over the bins from
-           the top, one bin per thread) and counts the low bytes of its keys in b1 into HIST[b, s, 1].
-    count  every CTA finds T = (b1, b2) and need = k - #(keys > T), and writes its part's number of
-           keys > T and == T to COUNTS[b, s, p].
-    emit   every CTA sums the COUNTS of the parts before it, then walks its part in chunks of 2048
-           scores, 8 consecutive per thread: a block scan of the per-thread (> T, == T) counts
-           (16 bits each in one int32) gives each thread its output positions; the output is in
-           index order.  Funnel mode writes every block's keep flag instead.
+           the top, one bin per thread) and counts the low bytes of its keys in b1 into HIST[b, s, 1];
+           it also writes, for l = 0..256, its part's keys above b1 plus its keys in b1 with low
+           byte >= l to PART[b, s, p, l] (a block scan of its bins from the top), so no extra
+           pass over the keys is needed for each part's share of the keys > T and == T.
+    emit   every CTA finds T = (b1, b2) and need = k - #(keys > T), sums from PART the keys > T
+           and == T of the parts before it, then walks its part in chunks of `_SEL_THREADS x
+           _SEL_VEC` scores, `_SEL_VEC` consecutive per thread (their loads one chunk ahead): a
+           block scan of the per-thread (> T, == T) counts (16 bits each in one int32) gives each
+           thread its output positions; the output is in index order.  Funnel mode writes every
+           block's keep flag instead.
     """
     B, S, N, KO, P = T.dynamic("B"), T.dynamic("S"), T.dynamic("N"), T.dynamic("KO"), T.dynamic("P")
     blocks = mode == "blocks"
     out_shape, out_dtype = ((B, S, N), "uint8") if blocks else ((B, S, KO), "int32")
-    ts, vec, chunk = _SEL_THREADS, _SEL_VEC, _SEL_CHUNK
+    ts, vec = _SEL_THREADS, _SEL_VEC
+    chunk = ts * vec
     warps = ts // 32
     level = 0 if phase == "hist0" else 1
 
@@ -781,26 +799,36 @@ def _cuda_select_prim_func(mode, phase):
         T.sync_threads()
 
     @T.macro
-    def load_keys(SC, hv, kl, b, s, i0, newest):
+    def fetch(SC, hn, b, s, i0):
+        """The raw bits of scores i0 .. i0 + vec - 1 into hn (zeros past the row)."""
+        for v in T.unroll(vec // 8):
+            T.call_extern("handle", "dsv41c_fetch8", T.address_of(SC[b, s, T.min(i0 + v * 8, N - 1)]),
+                          N - i0 - v * 8, T.address_of(hn[v * 8]))
+
+    @T.macro
+    def load_keys(SC, hv, hn, kl, b, s, i0, more, newest):
+        """Keys of scores i0 .. i0 + vec - 1 from hn (fetched before), then the next chunk's bits into hn
+        (when `more`): their loads travel while this chunk is processed."""
         for e in T.unroll(vec):
-            hv[e] = T.uint16(0)
-            if i0 + e < N:
-                hv[e] = SC[b, s, i0 + e]
+            hv[e] = hn[e]
+        if more:
+            fetch(SC, hn, b, s, i0 + chunk)
         for e in T.unroll(vec):
             # past the row: 0x10000, above every 16-bit key and equal to no threshold
             kl[e] = T.Select(i0 + e < N, _sel_key(hv[e], i0 + e, newest, blocks), _u(0x10000))
 
     @T.prim_func
     def main(SC: T.Tensor((B, S, N), "uint16"), VL: T.Tensor((S,), "int32"),
-             HIST: T.Tensor((B, S, 2, 256), "int32"), COUNTS: T.Tensor((B, S, P, 2), "int32"),
+             HIST: T.Tensor((B, S, 2, 256), "int32"), PART: T.Tensor((B, S, P, 257), "int32"),
              OUT: T.Tensor(out_shape, out_dtype), part: T.int32, k: T.int32, offset: T.int32):
-        with T.Kernel(S, P, B, threads=ts) as (s, p, b):
+        with T.Kernel(S, P, B, threads=ts, prelude=_FETCH_PRELUDE) as (s, p, b):
             tx = T.get_thread_binding()
             hist = T.alloc_shared((256,), "int32")
             ctl = T.alloc_shared((4,), "int32")
             wsum = T.alloc_shared((warps,), "int32")
             kl = T.alloc_local((vec,), "uint32")
             hv = T.alloc_local((vec,), "uint16")
+            hn = T.alloc_local((vec,), "uint16")
             res = T.alloc_local((3,), "int32")
             run = T.alloc_local((2,), "int32")
             bin_ = T.alloc_var("uint32")
@@ -814,60 +842,71 @@ def _cuda_select_prim_func(mode, phase):
             lane_below = (_u(1) << T.Cast("uint32", tx % 32)) - _u(1)
             if phase != "hist0":
                 find_bin(HIST, b, s, 0, kk, ctl, res, wsum, tx)
-            if phase == "count" or phase == "emit":
+            if phase == "emit":
                 find_bin(HIST, b, s, 1, kk - ctl[1], ctl, res, wsum, tx)
                 thr = T.Cast("uint32", ctl[0] * 256 + ctl[2])
                 need = kk - ctl[1] - ctl[3]
             if phase == "hist0" or phase == "hist1":
                 hist[tx] = 0
+                gt = 0  # hist1: this thread's keys above the bin b1
                 T.sync_threads()
+                fetch(SC, hn, b, s, p * part + tx * vec)
                 for c in T.serial(part // chunk):
-                    load_keys(SC, hv, kl, b, s, p * part + c * chunk + tx * vec, newest)
+                    load_keys(SC, hv, hn, kl, b, s, p * part + c * chunk + tx * vec, c + 1 < part // chunk, newest)
                     for e in T.unroll(vec):
                         if phase == "hist0":
                             bin_ = T.Select(kl[e] < _u(0x10000), kl[e] >> _u(8), _u(256))
                         else:
                             bin_ = T.Select(kl[e] >> _u(8) == T.Cast("uint32", ctl[0]), kl[e] & _u(0xFF), _u(256))
+                            gt = gt + T.Select(kl[e] >> _u(8) > T.Cast("uint32", ctl[0]) and kl[e] < _u(0x10000), 1, 0)
                         peers = T.call_extern("uint32", "__match_any_sync", _u(0xFFFFFFFF), bin_)
                         if bin_ < _u(256) and (peers & lane_below) == _u(0):
                             T.atomic_add(hist[T.Cast("int32", bin_)], T.call_extern("int32", "__popc", peers))
-                T.sync_threads()
+                if phase == "hist1":
+                    # PART[b, s, p, l] = this part's keys above b1 plus its keys in b1 with low byte
+                    # >= l (l = 0..256): the emit reads two entries per part once it knows b2
+                    block_scan(gt, res, wsum, tx)  # (its barriers also end the counting)
+                    run[0] = res[1]
+                    block_scan(hist[255 - tx], res, wsum, tx)
+                    PART[b, s, p, 255 - tx] = run[0] + res[0]
+                    if tx == 0:
+                        PART[b, s, p, 256] = run[0]
+                else:
+                    T.sync_threads()
                 if hist[tx] > 0:
                     T.atomic_add(HIST[b, s, level, tx], hist[tx])
             else:
-                run[0] = 0  # keys > T and == T before this chunk
-                run[1] = 0
-                if phase == "emit":
-                    for j in T.serial(2):
-                        res[2] = 0
-                        for q in T.serial(T.ceildiv(p, ts)):
-                            if q * ts + tx < p:
-                                res[2] = res[2] + COUNTS[b, s, q * ts + tx, j]
-                        block_scan(res[2], res, wsum, tx)
-                        run[j] = res[1]
+                # keys > T and == T in the parts before this one: PART[q, b2 + 1] and
+                # PART[q, b2] - PART[q, b2 + 1] of each part q < p
+                for j in T.serial(2):  # run[0], run[1]: keys > T and == T before this chunk
+                    res[2] = 0
+                    for qi in T.serial(T.ceildiv(p, ts)):
+                        q = qi * ts + tx
+                        if q < p:
+                            above = PART[b, s, q, ctl[2] + 1]
+                            res[2] = res[2] + T.Select(j == 0, above, PART[b, s, q, ctl[2]] - above)
+                    block_scan(res[2], res, wsum, tx)
+                    run[j] = res[1]
+                fetch(SC, hn, b, s, p * part + tx * vec)
                 for c in T.serial(part // chunk):
-                    load_keys(SC, hv, kl, b, s, p * part + c * chunk + tx * vec, newest)
+                    load_keys(SC, hv, hn, kl, b, s, p * part + c * chunk + tx * vec, c + 1 < part // chunk, newest)
                     gt = 0
                     for e in T.unroll(vec):
                         gt = gt + T.Select(kl[e] > thr and kl[e] < _u(0x10000), 1, 0) + T.Select(kl[e] == thr, 65536, 0)
                     block_scan(gt, res, wsum, tx)
-                    if phase == "emit":
-                        res[0] = res[0] - gt
-                        gt = run[0] + (res[0] & 0xFFFF)
-                        eq = run[1] + (res[0] >> 16)
-                        for e in T.unroll(vec):
-                            i = p * part + c * chunk + tx * vec + e
-                            if blocks:
-                                if i < N:
-                                    OUT[b, s, i] = T.Cast("uint8", (kl[e] > thr or (kl[e] == thr and eq < need))
-                                                          and kl[e] > _u(_KEY_NEG_INF))
-                            elif i < N and (kl[e] > thr or (kl[e] == thr and eq < need)):
-                                OUT[b, s, gt + T.min(eq, need)] = T.Select(i >= VL[s], -1, i + offset)
-                            gt = gt + T.Select(kl[e] > thr, 1, 0)
-                            eq = eq + T.Select(kl[e] == thr, 1, 0)
+                    res[0] = res[0] - gt
+                    gt = run[0] + (res[0] & 0xFFFF)
+                    eq = run[1] + (res[0] >> 16)
+                    for e in T.unroll(vec):
+                        i = p * part + c * chunk + tx * vec + e
+                        if blocks:
+                            if i < N:
+                                OUT[b, s, i] = T.Cast("uint8", (kl[e] > thr or (kl[e] == thr and eq < need))
+                                                      and kl[e] > _u(_KEY_NEG_INF))
+                        elif i < N and (kl[e] > thr or (kl[e] == thr and eq < need)):
+                            OUT[b, s, gt + T.min(eq, need)] = T.Select(i >= VL[s], -1, i + offset)
+                        gt = gt + T.Select(kl[e] > thr, 1, 0)
+                        eq = eq + T.Select(kl[e] == thr, 1, 0)
                     run[0] = run[0] + (res[1] & 0xFFFF)
                     run[1] = run[1] + (res[1] >> 16)
-                if phase == "count" and tx == 0:
-                    COUNTS[b, s, p, 0] = run[0]
-                    COUNTS[b, s, p, 1] = run[1]
     return main
