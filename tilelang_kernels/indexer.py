@@ -43,7 +43,7 @@ the UE8M0 scale folded in (exact: it is the dequantised key the ref multiplies),
 tiles with the next tile's key bytes in flight during the current tile's GEMM and epilogue.  The
 summation order inside the GEMM and over the heads differs from the C build's, so a score may move
 by one bf16 step where a sum is inexact (rare; the GPU tests bound it).  The select splits each
-row over many CTAs in four launches.  Details in `_cuda_scores_prim_func` and
+row over many CTAs in three launches.  Details in `_cuda_scores_prim_func` and
 `_cuda_select_prim_func`.
 """
 
