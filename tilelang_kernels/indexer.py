@@ -358,12 +358,13 @@ def _scores_impl(q, codes, scales, w, visible_len, cand_blocks, n, block_max):
     # the keys' buffers as allocated (a cache read [:B, :n] is not copied): keys from n on are never read
     args = [_bits(_aligned(q.contiguous()), target), _aligned(rows_buffer(codes)), _aligned(rows_buffer(scales)),
             _bits(w.contiguous(), target)]
-    # an unused optional buffer is declared [1] by the build
-    args.append(visible_len.contiguous() if visible_len is not None else q.new_zeros(1, dtype=torch.int32))
+    # an unused optional buffer is declared [1] by the build and never touched: uninitialised (a
+    # zero fill would be one more kernel launch per call)
+    args.append(visible_len.contiguous() if visible_len is not None else q.new_empty(1, dtype=torch.int32))
     args.append(cand_blocks.contiguous().view(torch.uint8) if cand_blocks is not None
-                else q.new_zeros(1, dtype=torch.uint8))
+                else q.new_empty(1, dtype=torch.uint8))
     args.append(_bits(sc, target))
-    args.append(_bits(bm, target) if block_max else _bits(q.new_zeros(1), target))
+    args.append(_bits(bm, target) if block_max else _bits(q.new_empty(1), target))
     if target != "c":
         args.append(cuda_tiles_per_cta(n, b * s))
     kernel(*args)
