@@ -365,12 +365,12 @@ def test_cuda_scores_prefill(fq, b, s, ratio):
         assert same(bm, block_max_of(sc)), f"seed={seed}"
 
 
-def _sm90_scores_source():
+def _sm90_scores_source(cand=False):
     """CUDA source of the sm_90a scoring build (decode options), lowered without nvcc."""
     import tilelang
 
     from dsv41c.tilelang_kernels.quant import cuda_pass_configs
-    main = K.scores_prim_func(32, 128, False, False, True, "cuda")
+    main = K.scores_prim_func(32, 128, False, cand, True, "cuda")
     tgt = {"kind": "cuda", "arch": "sm_90a"}
     with tilelang.tvm.transform.PassContext(config=cuda_pass_configs(main)), tilelang.tvm.target.Target(tgt):
         return tilelang.lower(main, target=tgt).kernel_source
@@ -401,6 +401,18 @@ def test_cuda_scores_lower_for_sm90():
     assert "dsv41c_decode_block" in src and "__all_sync(0xffffffffu, s <= 128u)" in src
     assert "tl::mul2(" in src and "tl::max2(" in src
     assert f"__launch_bounds__({K._THREADS}, {K._CTAS_PER_SM})" in src  # the tile plan's CTAs per SM
+    # the kernel's own barriers, three per tile and no others: the vote for live keys, As written,
+    # Rs written (TileLang's barrier pass is off for it)
+    assert src.count("__syncthreads();") == 2 and src.count("__syncthreads_or(") == 1
+
+
+def test_cuda_scores_gather_lowers_for_sm90():
+    """Without a GPU: with candidate blocks each CTA compacts its range's kept blocks (a warp
+    ballot, one shared atomic per warp) behind two more barriers, then walks the gathered tiles."""
+    src = _sm90_scores_source(cand=True)
+    assert "__ballot_sync" in src and src.count("AtomicAddRet(") == 1
+    assert src.count("__syncthreads();") == 4 and src.count("__syncthreads_or(") == 1
+    assert "it < walk" in src  # the tile loop's trip count is the compacted count
 
 
 def test_sass_tool_counts_the_longest_loop(monkeypatch):
