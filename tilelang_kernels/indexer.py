@@ -538,9 +538,9 @@ def _qperm(c):
 
 def cuda_tiles_per_cta(n: int, rows: int, slots: int | None = None) -> int:
     """Key tiles each scoring CTA walks: the fewest that fit all CTAs in one wave of `slots`
-    (default `_CTAS_PER_SM` per SM of an H200's 132), at most `_MAX_TPC`; a longer walk loads the query once
-    for more keys, and every tile after the first has its key bytes in flight during the previous
-    tile's decode, GEMM and epilogue."""
+    (default `_CTAS_PER_SM` per SM of an H200's 132), at most `_MAX_TPC`; a longer walk loads the
+    query once for more keys, and every tile after the first has its key bytes in flight during
+    the previous tile's decode, GEMM and epilogue."""
     slots = _CTAS_PER_SM * 132 if slots is None else slots
     tiles = -(-n // _BN)
     return max(1, min(_MAX_TPC, tiles, -(-tiles * rows // slots)))
@@ -553,9 +553,9 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
     A CTA loads its query's H x d bf16 (columns permuted as the decode stores the keys) and its H
     weights once, then walks its range of `tpc` tiles of `_BN` keys.  With candidate blocks it
     first compacts the range's kept blocks into a shared list (warp ballots, one shared atomic
-    per warp for its slots; the list's order does not matter: each key's score is its own row of the GEMM),
-    writes -inf for the keys (and block maxima) of the others, and walks only ceil(kept / (_BN /
-    8)) tiles, each gathering _BN / 8 listed blocks.  So a Reindex layer reads and decodes only its
+    per warp for its slots; the list's order does not matter: each key's score is its own row
+    of the GEMM), writes -inf for the keys (and block maxima) of the others, and walks only
+    ceil(kept / (_BN / 8)) tiles, each gathering _BN / 8 listed blocks.  So a Reindex layer reads and decodes only its
     candidate blocks' keys; a range with every block kept costs what it does without candidates.
     Per tile:
     - key bytes: thread t owns d/32 (key, scale block) units; the 32 / (d/32) lanes of a warp that
@@ -715,7 +715,7 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                         sv = T.max(sv, T.shfl_xor(sv, 1 << k))
                     if T.And(T.And(listed, t < N), tx % BLOCK == 0):
                         BM[b, s, t // BLOCK] = T.Cast("bfloat16", sv)
-    return main.with_attr(NO_SYNC_ATTR, 1)  # the barriers above are all it needs (TileLang's pass adds a redundant one)
+    return main.with_attr(NO_SYNC_ATTR, 1)  # its own barriers (TileLang's pass would add a redundant one)
 
 _SEL_THREADS = 256  # CUDA select: threads per CTA, one histogram bin each
 _SEL_VEC = 8  # CUDA select: consecutive scores per thread and chunk (a multiple of 8: 16-byte loads)
@@ -808,8 +808,8 @@ def _cuda_select_prim_func(mode, phase):
 
     @T.macro
     def load_keys(SC, hv, hn, kl, b, s, i0, more, newest):
-        """Keys of scores i0 .. i0 + vec - 1 from hn (fetched before), then the next chunk's bits into hn
-        (when `more`): their loads travel while this chunk is processed."""
+        """Keys of scores i0 .. i0 + vec - 1 from hn (fetched before), then the next chunk's bits
+        into hn (when `more`): their loads travel while this chunk is processed."""
         for e in T.unroll(vec):
             hv[e] = hn[e]
         if more:
