@@ -381,8 +381,8 @@ def _sm90_scores_source(cand=False):
 @pytest.mark.parametrize("bn,ctas", ((256, 2), (256, 3)), ids=["2x256", "3x256"])
 def test_cuda_scores_other_tiles(bn, ctas, monkeypatch):
     """The scoring on the other timed tile shapes than the default 5 CTAs of 128 keys: 256 keys on
-    two warpgroups, 2 or 3 CTAs per SM, against the ref: decode
-    with and without candidates, and a causal prefill."""
+    two warpgroups, 2 or 3 CTAs per SM, against the ref: decode with and without candidates, and a
+    causal prefill."""
     for name, value in (("_BN", bn), ("_THREADS", bn), ("_CTAS_PER_SM", ctas)):
         monkeypatch.setattr(K, name, value)
     K.build.cache_clear()  # builds are cached per op key, which does not name the tile size
