@@ -723,7 +723,7 @@ _SEL_CTAS_PER_SM = 4  # CUDA select: the split's CTAs per SM (`cuda_select_split
 # 1: a thread's group of _SEL_VEC scores that are all -inf (Reindex rows outside the candidate
 # blocks, prefill rows past the visible length) skips the per-score work: its keys are counted
 # once in the histograms, and the emit (top-k mode) passes it while T is above -inf.  Built and
-# tested on the GPU; not yet timed, so off.
+# lowered; its GPU test (`test_cuda_select_skipping_neg_inf`) is not yet run, nor is it timed, so off.
 _SEL_SKIP_INF = 0
 SELECT_PHASES = ("hist0", "hist1", "emit")
 
