@@ -870,11 +870,11 @@ def _cuda_select_prim_func(mode, phase):
                 for c in T.serial(part // chunk):
                     i0 = p * part + c * chunk + tx * vec
                     load_keys(SC, hv, hn, kl, b, s, i0, c + 1 < part // chunk, newest)
+                    finite = T.Not(all_neg_inf(hv, i0, newest)) if _SEL_SKIP_INF else T.bool(True)
                     if _SEL_SKIP_INF:
                         # -inf is key 0x007F: bin 0 of hist0; low byte 0x7F of hist1 when b1 = 0
-                        if all_neg_inf(hv, i0, newest):
-                            ninf = ninf + (vec if phase == "hist0" else T.Select(ctl[0] == 0, vec, 0))
-                    if T.Not(all_neg_inf(hv, i0, newest)) if _SEL_SKIP_INF else T.bool(True):
+                        ninf = ninf + T.Select(finite, 0, vec if phase == "hist0" else T.Select(ctl[0] == 0, vec, 0))
+                    if finite:
                         for e in T.unroll(vec):
                             if phase == "hist0":
                                 bin_ = T.Select(kl[e] < _u(0x10000), kl[e] >> _u(8), _u(256))
