@@ -502,41 +502,5 @@ def test_cuda_funnel_bit_exact(nb, kb):
 
 @pytest.mark.gpu
 @cuda
-def test_cuda_select_skipping_neg_inf(monkeypatch):
-    """`_SEL_SKIP_INF=1` (built, not yet the default): the select skips whole groups of -inf
-    scores, through the top-k, funnel and decode-chain tests above (rows 95% and 99.9% -inf among
-    them, and rows with fewer finite scores than k, where the -inf fill takes -inf keys)."""
-    monkeypatch.setattr(K, "_SEL_SKIP_INF", 1)
-    K.build.cache_clear()  # builds are cached per op key, which does not name the variant
-    try:
-        for n, k in ((8192, 512), (3000, 3000), (70000, 512), (8195, 512), (100, 1)):
-            test_cuda_topk_bit_exact(n, k)
-        for k in (512, 2048):
-            test_cuda_topk_long_row(k)
-        for nb, kb in ((1024, 2048), (32768, 2048), (5000, 7)):
-            test_cuda_funnel_bit_exact(nb, kb)
-        for b in (1, 32):
-            test_cuda_decode_chain_released_dims(b)
-    finally:
-        K.build.cache_clear()
-
-
-def test_cuda_select_skip_lowers_for_sm90(monkeypatch):
-    """Without a GPU: the skipping variant's histogram pass lets only the lanes with finite keys
-    meet in `__match_any_sync`; the default build keeps the whole warp."""
-    import tilelang
-
-    from dsv41c.tilelang_kernels.quant import cuda_pass_configs
-    tgt = {"kind": "cuda", "arch": "sm_90a"}
-    for skip in (0, 1):
-        monkeypatch.setattr(K, "_SEL_SKIP_INF", skip)
-        main = K.select_prim_func("topk", "hist0", "cuda")
-        with tilelang.tvm.transform.PassContext(config=cuda_pass_configs(main)), tilelang.tvm.target.Target(tgt):
-            src = tilelang.lower(main, target=tgt).kernel_source
-        assert ("__activemask()" in src) == bool(skip) and "__match_any_sync" in src
-
-
-@pytest.mark.gpu
-@cuda
 def test_cuda_opcheck():
     opcheck_all("cuda")

@@ -720,11 +720,6 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
 _SEL_THREADS = 256  # CUDA select: threads per CTA, one histogram bin each
 _SEL_VEC = 8  # CUDA select: consecutive scores per thread and chunk (a multiple of 8: 16-byte loads)
 _SEL_CTAS_PER_SM = 4  # CUDA select: the split's CTAs per SM (`cuda_select_split`)
-# 1: a thread's group of _SEL_VEC scores that are all -inf (Reindex rows outside the candidate
-# blocks, prefill rows past the visible length) skips the per-score work: its keys are counted
-# once in the histograms, and the emit (top-k mode) passes it while T is above -inf.  Built and
-# lowered; its GPU test (`test_cuda_select_skipping_neg_inf`) is not yet run, nor is it timed, so off.
-_SEL_SKIP_INF = 0
 SELECT_PHASES = ("hist0", "hist1", "emit")
 
 # The select's key loads: 8 consecutive bf16 scores as one 16-byte load where they are whole and
@@ -823,14 +818,6 @@ def _cuda_select_prim_func(mode, phase):
             # past the row: 0x10000, above every 16-bit key and equal to no threshold
             kl[e] = T.Select(i0 + e < N, _sel_key(hv[e], i0 + e, newest, blocks), _u(0x10000))
 
-    def all_neg_inf(hv, i0, newest):
-        """The thread's whole group of scores i0 .. i0 + vec - 1 is -inf (and, in funnel mode,
-        holds no pinned newest block)."""
-        c = i0 + vec <= N
-        for e in range(vec):
-            c = T.And(c, hv[e] == T.uint16(0xFF80))
-        return T.And(c, T.Or(newest < i0, newest >= i0 + vec)) if blocks else c
-
     @T.prim_func
     def main(SC: T.Tensor((B, S, N), "uint16"), VL: T.Tensor((S,), "int32"),
              HIST: T.Tensor((B, S, 2, 256), "int32"), PART: T.Tensor((B, S, P, 257), "int32"),
@@ -851,7 +838,6 @@ def _cuda_select_prim_func(mode, phase):
             need = T.alloc_var("int32")
             gt = T.alloc_var("int32")
             eq = T.alloc_var("int32")
-            ninf = T.alloc_var("int32")
             kk = k
             newest = T.Select(VL[s] > 0, (VL[s] - 1) // BLOCK, -1)
             lane_below = (_u(1) << T.Cast("uint32", tx % 32)) - _u(1)
@@ -864,32 +850,21 @@ def _cuda_select_prim_func(mode, phase):
             if phase == "hist0" or phase == "hist1":
                 hist[tx] = 0
                 gt = 0  # hist1: this thread's keys above the bin b1
-                ninf = 0  # _SEL_SKIP_INF: this thread's skipped -inf keys that fall in a counted bin
                 T.sync_threads()
                 fetch(SC, hn, b, s, p * part + tx * vec)
                 for c in T.serial(part // chunk):
                     i0 = p * part + c * chunk + tx * vec
                     load_keys(SC, hv, hn, kl, b, s, i0, c + 1 < part // chunk, newest)
-                    finite = T.Not(all_neg_inf(hv, i0, newest)) if _SEL_SKIP_INF else T.bool(True)
-                    if _SEL_SKIP_INF:
-                        # -inf is key 0x007F: bin 0 of hist0; low byte 0x7F of hist1 when b1 = 0
-                        ninf = ninf + T.Select(finite, 0, vec if phase == "hist0" else T.Select(ctl[0] == 0, vec, 0))
-                    if finite:
-                        for e in T.unroll(vec):
-                            if phase == "hist0":
-                                bin_ = T.Select(kl[e] < _u(0x10000), kl[e] >> _u(8), _u(256))
-                            else:
-                                bin_ = T.Select(kl[e] >> _u(8) == T.Cast("uint32", ctl[0]), kl[e] & _u(0xFF), _u(256))
-                                gt = gt + T.Select(kl[e] >> _u(8) > T.Cast("uint32", ctl[0]) and kl[e] < _u(0x10000),
-                                                   1, 0)
-                            # with skipping, only the lanes here take part (the warp may be split)
-                            mask = T.call_extern("uint32", "__activemask") if _SEL_SKIP_INF else _u(0xFFFFFFFF)
-                            peers = T.call_extern("uint32", "__match_any_sync", mask, bin_)
-                            if bin_ < _u(256) and (peers & lane_below) == _u(0):
-                                T.atomic_add(hist[T.Cast("int32", bin_)], T.call_extern("int32", "__popc", peers))
-                if _SEL_SKIP_INF:
-                    if ninf > 0:
-                        T.atomic_add(hist[0 if phase == "hist0" else _KEY_NEG_INF & 0xFF], ninf)
+                    for e in T.unroll(vec):
+                        if phase == "hist0":
+                            bin_ = T.Select(kl[e] < _u(0x10000), kl[e] >> _u(8), _u(256))
+                        else:
+                            bin_ = T.Select(kl[e] >> _u(8) == T.Cast("uint32", ctl[0]), kl[e] & _u(0xFF), _u(256))
+                            gt = gt + T.Select(kl[e] >> _u(8) > T.Cast("uint32", ctl[0]) and kl[e] < _u(0x10000),
+                                               1, 0)
+                        peers = T.call_extern("uint32", "__match_any_sync", _u(0xFFFFFFFF), bin_)
+                        if bin_ < _u(256) and (peers & lane_below) == _u(0):
+                            T.atomic_add(hist[T.Cast("int32", bin_)], T.call_extern("int32", "__popc", peers))
                 if phase == "hist1":
                     # PART[b, s, p, l] = this part's keys above b1 plus its keys in b1 with low byte
                     # >= l (l = 0..256): the emit reads two entries per part once it knows b2
@@ -919,30 +894,24 @@ def _cuda_select_prim_func(mode, phase):
                 for c in T.serial(part // chunk):
                     i0 = p * part + c * chunk + tx * vec
                     load_keys(SC, hv, hn, kl, b, s, i0, c + 1 < part // chunk, newest)
-                    # (top-k mode with _SEL_SKIP_INF: a group of -inf keys below T selects nothing)
-                    work = T.bool(True)
-                    if _SEL_SKIP_INF and not blocks:
-                        work = T.Or(T.Not(all_neg_inf(hv, i0, newest)), thr <= _u(_KEY_NEG_INF))
                     gt = 0
-                    if work:
-                        for e in T.unroll(vec):
-                            gt = gt + T.Select(kl[e] > thr and kl[e] < _u(0x10000), 1, 0) + \
-                                T.Select(kl[e] == thr, 65536, 0)
+                    for e in T.unroll(vec):
+                        gt = gt + T.Select(kl[e] > thr and kl[e] < _u(0x10000), 1, 0) + \
+                            T.Select(kl[e] == thr, 65536, 0)
                     block_scan(gt, res, wsum, tx)
                     res[0] = res[0] - gt
                     gt = run[0] + (res[0] & 0xFFFF)
                     eq = run[1] + (res[0] >> 16)
-                    if work:
-                        for e in T.unroll(vec):
-                            i = i0 + e
-                            if blocks:
-                                if i < N:
-                                    OUT[b, s, i] = T.Cast("uint8", (kl[e] > thr or (kl[e] == thr and eq < need))
-                                                          and kl[e] > _u(_KEY_NEG_INF))
-                            elif i < N and (kl[e] > thr or (kl[e] == thr and eq < need)):
-                                OUT[b, s, gt + T.min(eq, need)] = T.Select(i >= VL[s], -1, i + offset)
-                            gt = gt + T.Select(kl[e] > thr, 1, 0)
-                            eq = eq + T.Select(kl[e] == thr, 1, 0)
+                    for e in T.unroll(vec):
+                        i = i0 + e
+                        if blocks:
+                            if i < N:
+                                OUT[b, s, i] = T.Cast("uint8", (kl[e] > thr or (kl[e] == thr and eq < need))
+                                                      and kl[e] > _u(_KEY_NEG_INF))
+                        elif i < N and (kl[e] > thr or (kl[e] == thr and eq < need)):
+                            OUT[b, s, gt + T.min(eq, need)] = T.Select(i >= VL[s], -1, i + offset)
+                        gt = gt + T.Select(kl[e] > thr, 1, 0)
+                        eq = eq + T.Select(kl[e] == thr, 1, 0)
                     run[0] = run[0] + (res[1] & 0xFFFF)
                     run[1] = run[1] + (res[1] >> 16)
     return main
