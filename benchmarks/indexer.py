@@ -17,7 +17,8 @@ Variants, each timed with CUDA events (median of batches of back-to-back calls):
   score+topk     the candidate source's whole step: `index_scores` + `index_topk` (k = 512) +
                  `candidate_blocks` (2048 blocks)
   reindex        a Reindex layer's step: `index_scores` masked by the candidate blocks (the kernel
-                 reads only the kept blocks' keys) + `index_topk`
+                 reads only the kept blocks' keys) + `index_topk` given the same flags (it reads
+                 only the kept blocks' scores)
   eager          the same in eager torch as the eager model runs it with packed storage: dequantise
                  all n keys to bf16, einsum, relu, x w, sum over heads; topk(sorted=False) + sort;
                  `Indexer.candidate_mask` (block max, pin, topk, mask)
@@ -82,7 +83,7 @@ def eager_reindex(q, codes, scales, w, vl, k, keep):
 
 def kernel_reindex(q, codes, scales, w, vl, k, keep):
     sc, _ = K.index_scores(q, codes, scales, w, None, keep)
-    return K.index_topk(sc, vl, k=k, offset=128)
+    return K.index_topk(sc, vl, keep, k=k, offset=128)
 
 
 def kernel_score(q, codes, scales, w):
@@ -109,22 +110,28 @@ def select_phases(batches, contexts, k, blocks) -> None:
     """Device time of each CUDA select launch of one `index_topk` call (the top-k alone, no
     scoring): every prefix of the launches (zeroed histograms first) captured in a CUDA graph and
     replayed, the differences printed; on dense random scores and on Reindex-like scores (`blocks`
-    random blocks of 8 kept, -inf elsewhere), 8 copies cycled so the scores come from HBM."""
+    random blocks of 8 kept, -inf elsewhere) with and without the candidate flags, 8 copies cycled
+    so the scores come from HBM."""
     print(f"\ndevice: {torch.cuda.get_device_name()}; index_topk k = {k}, select launches {K.SELECT_PHASES}\n")
-    print("| B | n | scores | zeroing us | " + " | ".join(f"{p} us" for p in K.SELECT_PHASES)
+    print("| B | n | scores | flags | zeroing us | " + " | ".join(f"{p} us" for p in K.SELECT_PHASES)
           + " | index_topk us | exact |")
-    print("|---:|---:|---|" + "---:|" * (len(K.SELECT_PHASES) + 2) + "---|")
+    print("|---:|---:|---|---|" + "---:|" * (len(K.SELECT_PHASES) + 2) + "---|")
     target = K.kernel_target(torch.empty(0, device="cuda"), "indexer")
     for b in batches:
         for n in contexts:
             vl = torch.tensor([n], dtype=torch.int32, device="cuda")
             parts, part = K.cuda_select_split(n, b)
-            for kind in ("dense", "reindex"):
-                copies = [torch.randn(b, 1, n, device="cuda").bfloat16() for _ in range(8)]
-                if kind == "reindex":
-                    for c in copies:
-                        keep = torch.rand(b, 1, -(-n // K.BLOCK), device="cuda") < blocks / (n / K.BLOCK)
-                        c.masked_fill_(~K.expand_blocks(keep, n), float("-inf"))
+            nb = -(-n // K.BLOCK)
+            for kind, flags in (("dense", False), ("reindex", False), ("reindex", True)):
+                copies = []
+                for _ in range(8):
+                    sc, keep = torch.randn(b, 1, n, device="cuda").bfloat16(), None
+                    if kind == "reindex":
+                        keep = torch.rand(b, 1, nb, device="cuda") < blocks / nb
+                        sc.masked_fill_(~K.expand_blocks(keep, n), float("-inf"))
+                    copies.append((sc, keep if flags else None))
+                if flags and not K.cuda_select_gathers(part):
+                    continue  # index_topk takes the dense walk (the row above) for such parts
                 hist = torch.zeros(b, 1, 2, 256, dtype=torch.int32, device="cuda")
                 part_hist = torch.empty(b, 1, parts, 257, dtype=torch.int32, device="cuda")
                 out = torch.empty(b, 1, k, dtype=torch.int32, device="cuda")
@@ -132,21 +139,28 @@ def select_phases(batches, contexts, k, blocks) -> None:
                 t = [bench_graph(select_launches(copies, bufs, K.SELECT_PHASES[:m], target)) * 1e3
                      for m in range(len(K.SELECT_PHASES) + 1)]
                 full = bench_graph(cycling_scores(copies, vl, k)) * 1e3
-                exact = torch.equal(K.index_topk(copies[1], vl, k=k, offset=128).cpu(),
-                                    K.index_topk_ref(copies[1].cpu(), vl.cpu(), k=k, offset=128))
-                print(f"| {b} | {n} | {kind} | {t[0]:.1f} | " + " | ".join(f"{t[i + 1] - t[i]:.1f}"
-                      for i in range(len(K.SELECT_PHASES))) + f" | {full:.1f} | {exact} |")
+                exact = torch.equal(K.index_topk(*copies[1][:1], vl, copies[1][1], k=k, offset=128).cpu(),
+                                    K.index_topk_ref(copies[1][0].cpu(), vl.cpu(), k=k, offset=128))
+                print(f"| {b} | {n} | {kind} | {'yes' if flags else 'no'} | {t[0]:.1f} | "
+                      + " | ".join(f"{t[i + 1] - t[i]:.1f}" for i in range(len(K.SELECT_PHASES)))
+                      + f" | {full:.1f} | {exact} |")
 
 
 def select_launches(copies, bufs, phases, target):
-    """The histograms zeroed, then the select launches `phases` of one top-k, on the next copy."""
+    """The histograms zeroed, then the select launches `phases` of one top-k, on the next copy
+    (the candidate mode where the copy has flags)."""
     it = [0]
+    unread = torch.empty(1, 1, 1, dtype=torch.uint8, device="cuda")
 
     def run():
         it[0] += 1
-        bufs[1].zero_()
+        sc, keep = copies[it[0] % len(copies)]
+        vl, hist, *rest = bufs
+        hist.zero_()
+        cand = unread if keep is None else keep.view(torch.uint8)
         for phase in phases:
-            K.build("select", ("topk", phase), target)(copies[it[0] % len(copies)].view(torch.uint16), *bufs)
+            K.build("select", ("topk" if keep is None else "cand", phase), target)(
+                sc.view(torch.uint16), vl, cand, hist, *rest)
     return run
 
 
@@ -155,7 +169,8 @@ def cycling_scores(copies, vl, k):
 
     def run():
         it[0] += 1
-        return K.index_topk(copies[it[0] % len(copies)], vl, k=k, offset=128)
+        sc, keep = copies[it[0] % len(copies)]
+        return K.index_topk(sc, vl, keep, k=k, offset=128)
     return run
 
 

@@ -22,10 +22,10 @@ disappear. Per site:
     candidate source:
         sc, bm = dsv41c.index_scores(q, codes, scales, w, vl, None, n=n, block_max=True)
         keep   = dsv41c.candidate_blocks(bm, vl, topk_blocks=Indexer.topk_blocks)
-        idx    = dsv41c.index_topk(sc, vl, k=k, offset=offset)
+        idx    = dsv41c.index_topk(sc, vl, None, k=k, offset=offset)
     later index source (its candidate mask is the lowered `keep` of the source):
         sc, _  = dsv41c.index_scores(q, codes, scales, w, vl, keep, n=n, block_max=False)
-        idx    = dsv41c.index_topk(sc, vl, k=k, offset=offset)
+        idx    = dsv41c.index_topk(sc, vl, keep, k=k, offset=offset)
     no funnel: as the later source without `keep`
 
 vl is visible_len as int32; the scoring kernel gets it only where the eager site masks invisible
@@ -214,7 +214,8 @@ class _Rewrite:
                     raise Mismatch(f"the candidate mask is {tuple(_val(mask_out).shape)}, the kernel's "
                                    f"{tuple(_val(mask).shape)}")
                 self.blocks[mask] = keep
-            idx = self._node(torch.ops.dsv41c.index_topk.default, (sc, vl32), {"k": k, "offset": offset})
+            # at a later source the scores are -inf outside the kept blocks: the top-k reads only those
+            idx = self._node(torch.ops.dsv41c.index_topk.default, (sc, vl32, cand), {"k": k, "offset": offset})
         if str(_val(idx).shape) != str(_val(out).shape):
             raise Mismatch(f"index_topk gives {tuple(_val(idx).shape)}, the site {tuple(_val(out).shape)}")
         out.replace_all_uses_with(idx)

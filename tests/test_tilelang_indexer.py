@@ -203,6 +203,8 @@ def test_reindex_chain_cpu():
     idx = top_indices(ref_sc2.float(), k).sort(dim=-1).values
     ref = torch.where(idx >= vl.view(1, s, 1), -1, idx + s).int()
     assert same(got, ref), f"seed={seed}"
+    # given the flags (as lower_indexer passes them) the C build reads the whole row all the same
+    assert same(K.index_topk(sc, vl, keep, k=k, offset=s), ref), f"seed={seed}"
 
 
 def test_one_build_serves_all_shapes_cpu():
@@ -224,6 +226,10 @@ def test_bad_inputs_raise():
         K.index_scores(q, codes, scales, w, torch.zeros(3, dtype=torch.int32), n=8)
     with pytest.raises(ValueError, match="k=-1"):
         K.index_topk(torch.zeros(1, 2, 8, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.int32), k=-1, offset=0)
+    for bad in (torch.ones(1, 2, 2, dtype=torch.bool), torch.ones(1, 2, 3, dtype=torch.uint8)):
+        with pytest.raises(ValueError, match="cand_blocks must be bool"):
+            K.index_topk(torch.zeros(1, 2, 20, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.int32), bad,
+                         k=1, offset=0)
 
 
 @pytest.mark.parametrize("k", [5, 8, 13])
@@ -250,6 +256,8 @@ def opcheck_all(device):
                           {"n": n, "block_max": False}, test_utils=OPCHECK)
     sc, bm = K.index_scores(q, codes, scales, w, vl, n=n, block_max=True)
     torch.library.opcheck(torch.ops.dsv41c.index_topk, (sc, vl), {"k": 7, "offset": 3}, test_utils=OPCHECK)
+    sc2, _ = K.index_scores(q, codes, scales, w, vl, cand, n=n)
+    torch.library.opcheck(torch.ops.dsv41c.index_topk, (sc2, vl, cand), {"k": 7, "offset": 3}, test_utils=OPCHECK)
     torch.library.opcheck(torch.ops.dsv41c.candidate_blocks, (bm, vl), {"topk_blocks": 2}, test_utils=OPCHECK)
 
 
@@ -415,6 +423,30 @@ def test_cuda_scores_gather_lowers_for_sm90():
     assert "it < walk" in src  # the tile loop's trip count is the compacted count
 
 
+def test_cuda_select_candidates_lower_for_sm90():
+    """Without a GPU: the candidate-mode select builds a list of the kept blocks per window (a block
+    scan of 8 flags a thread) and places its own barriers: a count pass has, per window, the scan's
+    two and one after the list, none per step; the emit adds the scan's two per step."""
+    import tilelang
+
+    from dsv41c.tilelang_kernels.quant import cuda_pass_configs
+    tgt = {"kind": "cuda", "arch": "sm_90a"}
+    src = {}
+    for phase in K.SELECT_PHASES:
+        main = K.select_prim_func("cand", phase, "cuda")
+        with tilelang.tvm.transform.PassContext(config=cuda_pass_configs(main)), tilelang.tvm.target.Target(tgt):
+            src[phase] = tilelang.lower(main, target=tgt).kernel_source
+    for phase in SELECT_PHASES_BARRIERS:
+        assert src[phase].count("__syncthreads();") == SELECT_PHASES_BARRIERS[phase], phase
+        assert "const uchar* __restrict__ CAND" in src[phase] and "((int*)LS)[" in src[phase]
+
+
+# barriers in the source, per phase: hist0 = the zeroed bins, one list (3) and the end; hist1 =
+# find_bin (3), the zeroed bins, one list (3), two block scans for the part's counts (4); emit = two
+# find_bins (6), the earlier parts' counts (a loop over one scan: 2), one list (3), the step's scan (2)
+SELECT_PHASES_BARRIERS = {"hist0": 5, "hist1": 11, "emit": 13}
+
+
 def test_sass_tool_counts_the_longest_loop(monkeypatch):
     """benchmarks/sass.py's "loop" column (how the scoring variants were counted): the instructions
     from a backward branch's target to the branch, the widest such span; a forward branch is none."""
@@ -465,6 +497,32 @@ def test_cuda_topk_long_row(k):
         assert same(got.cpu(), K.index_topk_ref(sc, vl, k=k, offset=128)), f"seed={seed} masked={masked}"
 
 
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("b,s,n,k,frac", ((4, 5, 8192, 512, 0.06), (4, 5, 8195, 512, 0.06), (1, 1, 262144, 512, 0.0625),
+                                          (2, 3, 70000, 2048, 0.5), (40, 15, 20000, 64, 0.3), (2, 3, 3001, 1, 0.01)),
+                         ids=["8K", "8K+3", "256K", "70K_half", "600rows", "k1"])
+def test_cuda_topk_candidates(b, s, n, k, frac, monkeypatch):
+    """The top-k given the candidate flags reads only the kept blocks (lists per window of 2048
+    blocks; 600 rows make one part a row, 2-3 windows); every row has -inf outside its kept blocks.
+    The last rows keep too few blocks for k finite scores (the emit walks the whole part for the
+    -inf fill) or none, and visible lengths cut rows like a prefill.  The candidate mode is taken
+    for every part size here (by default only from `_SEL_GATHER_CHUNKS` chunks a part)."""
+    monkeypatch.setattr(K, "_SEL_GATHER_CHUNKS", 1)
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    nb = -(-n // K.BLOCK)
+    vl = torch.full((s,), n, dtype=torch.int32)
+    vl[-1] = max(1, n // 3)
+    keep = torch.rand(b, s, nb, generator=g) < frac
+    keep[-1, -1] = False
+    if b * s > 1:
+        keep[0, -1] = torch.rand(nb, generator=g) < max(1, k // 16) / nb  # fewer than k finite
+    sc = random_scores(b, s, n, seed, vl).masked_fill(~K.expand_blocks(keep, n), float("-inf"))
+    got = K.index_topk(sc.cuda(), vl.cuda(), keep.cuda(), k=k, offset=128)
+    assert same(got.cpu(), K.index_topk_ref(sc, vl, k=k, offset=128)), f"seed={seed}"
+
+
 def test_cuda_select_split():
     for n, rows in ((1, 1), (2048, 1), (262144, 1), (262144, 32), (8192, 4), (70000, 20)):
         parts, part = K.cuda_select_split(n, rows)
@@ -487,6 +545,7 @@ def test_cuda_decode_chain_released_dims(b):
     assert same(sc2, sc.masked_fill(~K.expand_blocks(keep, n), float("-inf"))), f"seed={seed}"
     got = K.index_topk(sc2, vl, k=512, offset=128)
     assert same(got.cpu(), K.index_topk_ref(sc2.cpu(), vl.cpu(), k=512, offset=128)), f"seed={seed}"
+    assert same(K.index_topk(sc2, vl, keep, k=512, offset=128), got), f"seed={seed}"
 
 
 @pytest.mark.gpu

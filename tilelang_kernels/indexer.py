@@ -9,9 +9,14 @@ n keys, nb = ceil(n / 8) candidate blocks:
       §6.5(d); -inf where t >= visible_len[s] (prefill; None in decode: all visible) and where
       the candidate block t // 8 is not kept.  The keys are the packed cache (a RowStore's
       `codes`/`scales`, rows 0..n-1 are read, so the whole cache buffer can be passed).
-  index_topk(scores [B,S,n] bf16, visible_len int32 [S], *, k, offset) -> int32 [B,S,k]
+  index_topk(scores [B,S,n] bf16, visible_len int32 [S], cand_blocks bool [B,S,nb] or None, *,
+             k, offset) -> int32 [B,S,k]
       the k largest scores per query, ties to the lower index, ascending; indices >= visible_len
-      become -1, the others get + offset (§6.5(g), the -inf fill quirk included).
+      become -1, the others get + offset (§6.5(g), the -inf fill quirk included).  cand_blocks
+      is a promise that every score outside the kept blocks is -inf (the scores `index_scores`
+      gives with the same flags): the CUDA build then reads only the kept blocks' scores (a
+      Reindex row keeps 2049 of 32768 blocks at 256K) and counts the others as -inf in bulk; the
+      result is the same.  The C build reads the whole row either way.
   candidate_blocks(block_max [B,S,nb] bf16, visible_len int32 [S], *, topk_blocks)
       -> keep bool [B,S,nb]: the newest block (visible_len-1)//8 pinned, the top
       min(topk_blocks, nb) blocks, ties to the lower index, kept iff also > -inf (§6.9).
@@ -289,9 +294,11 @@ def scores_prim_func(H: int, d: int, visible: bool, cand: bool, bmax: bool, targ
 
 
 def select_prim_func(mode: str, phase: str, target: str):
-    """The selection prim_func, mode "topk" (indices) or "blocks" (funnel keep flags); the C
-    build does everything in one phase "all", the CUDA build is split in SELECT_PHASES."""
-    if mode not in ("topk", "blocks") or phase not in (("all",) if target == "c" else SELECT_PHASES):
+    """The selection prim_func, mode "topk" (indices), "blocks" (funnel keep flags) or, CUDA only,
+    "cand" (indices, reading only the candidate blocks' scores); the C build does everything in
+    one phase "all", the CUDA build is split in SELECT_PHASES."""
+    modes = ("topk", "blocks") if target == "c" else ("topk", "blocks", "cand")
+    if mode not in modes or phase not in (("all",) if target == "c" else SELECT_PHASES):
         raise ValueError(f"indexer select: unknown mode/phase {mode!r}/{phase!r} for target {target}")
     if target == "c":
         return _cpu_select_prim_func(mode)
@@ -379,8 +386,9 @@ def _check_select(op, scores, visible_len):
                          f"got {visible_len.dtype} {tuple(visible_len.shape)} on {visible_len.device}")
 
 
-def _select(mode, scores, visible_len, k, offset, out):
-    """Run the select build(s) of `mode` on scores [B,S,n] (k >= 1) into out."""
+def _select(mode, scores, visible_len, k, offset, out, cand_blocks=None):
+    """Run the select build(s) of `mode` on scores [B,S,n] (k >= 1) into out; in top-k mode the
+    CUDA build reads only the blocks `cand_blocks` keeps (their scores hold every finite one)."""
     target = kernel_target(scores, "indexer")
     sc = scores.contiguous().view(torch.uint16)
     vl = visible_len.contiguous()
@@ -391,27 +399,36 @@ def _select(mode, scores, visible_len, k, offset, out):
         return
     b, s, n = scores.shape
     parts, part = cuda_select_split(n, b * s)
+    if cand_blocks is not None and cuda_select_gathers(part):
+        mode, cand = "cand", cand_blocks.contiguous().view(torch.uint8)
+    else:  # unread: an uninitialised [1,1,1]
+        cand = sc.new_empty((1, 1, 1), dtype=torch.uint8)
     hist = torch.zeros(b, s, 2, 256, dtype=torch.int32, device=scores.device)
     part_hist = torch.empty(b, s, parts, 257, dtype=torch.int32, device=scores.device)
     for phase in SELECT_PHASES:
-        build("select", (mode, phase), target)(sc, vl, hist, part_hist, out, part, k, offset)
+        build("select", (mode, phase), target)(sc, vl, cand, hist, part_hist, out, part, k, offset)
 
 
-def _topk_fake(scores, visible_len, k, offset):
+def _topk_fake(scores, visible_len, cand_blocks=None, *, k, offset):
     return scores.new_empty((*scores.shape[:2], k), dtype=torch.int32)
 
 
-def _topk_impl(scores, visible_len, k, offset):
+def _topk_impl(scores, visible_len, cand_blocks=None, *, k, offset):
     _check_select("index_topk", scores, visible_len)
     if k < 0:
         raise ValueError(f"index_topk: k={k} must be >= 0")
-    out = _topk_fake(scores, visible_len, k, offset)
+    nb = (*scores.shape[:2], -(-scores.shape[-1] // BLOCK))
+    if cand_blocks is not None and (cand_blocks.shape != nb or cand_blocks.dtype != torch.bool
+                                    or cand_blocks.device != scores.device):
+        raise ValueError(f"index_topk: cand_blocks must be bool {nb} on {scores.device}, got "
+                         f"{cand_blocks.dtype} {tuple(cand_blocks.shape)} on {cand_blocks.device}")
+    out = _topk_fake(scores, visible_len, cand_blocks, k=k, offset=offset)
     n = scores.shape[-1]
     if k >= n:  # every score is selected, sorted: 0..n-1, then the model's -inf padding (-1 slots)
         idx = torch.arange(k, dtype=torch.int32, device=scores.device).expand_as(out)
         out.copy_(torch.where(idx >= visible_len.view(1, -1, 1).clamp(max=n), -1, idx + offset))
     elif out.numel():
-        _select("topk", scores, visible_len, k, offset, out)
+        _select("topk", scores, visible_len, k, offset, out, cand_blocks)
     return out
 
 
@@ -438,7 +455,7 @@ for _name, _impl, _fake, _schema in (
          "(Tensor q, Tensor codes, Tensor scales, Tensor w, Tensor? visible_len, Tensor? cand_blocks, *, "
          "SymInt n, bool block_max) -> (Tensor, Tensor)"),
         ("index_topk", _topk_impl, _topk_fake,
-         "(Tensor scores, Tensor visible_len, *, SymInt k, SymInt offset) -> Tensor"),
+         "(Tensor scores, Tensor visible_len, Tensor? cand_blocks=None, *, SymInt k, SymInt offset) -> Tensor"),
         ("candidate_blocks", _blocks_impl, _blocks_fake,
          "(Tensor block_max, Tensor visible_len, *, SymInt topk_blocks) -> Tensor")):
     _OPS[_name] = define_op(_name, _schema, _impl, _fake)
@@ -450,9 +467,9 @@ def index_scores(q, codes, scales, w, visible_len=None, cand_blocks=None, *, n=N
                                          n=codes.shape[1] if n is None else n, block_max=block_max)
 
 
-def index_topk(scores, visible_len, *, k, offset):
+def index_topk(scores, visible_len, cand_blocks=None, *, k, offset):
     """Top-k indices int32 [B,S,k], ascending, -1 past visible_len, + offset; = index_topk_ref."""
-    return torch.ops.dsv41c.index_topk(scores, visible_len, k=k, offset=offset)
+    return torch.ops.dsv41c.index_topk(scores, visible_len, cand_blocks, k=k, offset=offset)
 
 
 def candidate_blocks(block_max, visible_len, *, topk_blocks):
@@ -720,6 +737,7 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
 _SEL_THREADS = 256  # CUDA select: threads per CTA, one histogram bin each
 _SEL_VEC = 8  # CUDA select: consecutive scores per thread and chunk (a multiple of 8: 16-byte loads)
 _SEL_CTAS_PER_SM = 4  # CUDA select: the split's CTAs per SM (`cuda_select_split`)
+_SEL_GATHER_CHUNKS = 3  # CUDA select: the fewest chunks a part spans for the candidate mode (`cuda_select_gathers`)
 SELECT_PHASES = ("hist0", "hist1", "emit")
 
 # The select's key loads: 8 consecutive bf16 scores as one 16-byte load where they are whole and
@@ -745,6 +763,15 @@ def cuda_select_split(n: int, rows: int, slots: int | None = None) -> tuple[int,
     return -(-chunks // per), per * _SEL_THREADS * _SEL_VEC
 
 
+def cuda_select_gathers(part: int) -> bool:
+    """Whether the CUDA top-k given candidate flags walks lists of the kept blocks ("cand" mode)
+    for parts of `part` scores, rather than every score.  The lists cost a flag pass and a block
+    scan per window before the first score load, about one step of the dense walk: timed on an
+    H200 (Reindex rows keeping 2048 random blocks), parts of 1 chunk lost 4 us a top-k, 2 chunks
+    tied, 8 chunks won 35 us (62 -> 27 us at batch 32, 256K)."""
+    return part >= _SEL_GATHER_CHUNKS * _SEL_THREADS * _SEL_VEC
+
+
 def _cuda_select_prim_func(mode, phase):
     """One phase of the CUDA select; grid (S, P parts of the row, B), 256 threads.
 
@@ -764,9 +791,13 @@ def _cuda_select_prim_func(mode, phase):
            block's keep flag instead.
     """
     B, S, N, KO, P = T.dynamic("B"), T.dynamic("S"), T.dynamic("N"), T.dynamic("KO"), T.dynamic("P")
-    blocks = mode == "blocks"
+    CB, CS, NB = T.dynamic("CB"), T.dynamic("CS"), T.dynamic("NB")  # CAND: [B, S, nb] in mode "cand", else unread
+    blocks, cand = mode == "blocks", mode == "cand"
     out_shape, out_dtype = ((B, S, N), "uint8") if blocks else ((B, S, KO), "int32")
     ts, vec = _SEL_THREADS, _SEL_VEC
+    win = ts * BLOCK  # cand: the blocks one list covers (8 flags a thread)
+    if cand and vec != BLOCK:
+        raise ValueError(f"indexer select: candidate mode needs _SEL_VEC = {BLOCK} (a block a thread), got {vec}")
     chunk = ts * vec
     warps = ts // 32
     level = 0 if phase == "hist0" else 1
@@ -800,71 +831,131 @@ def _cuda_select_prim_func(mode, phase):
         T.sync_threads()
 
     @T.macro
-    def fetch(SC, hn, b, s, i0):
-        """The raw bits of scores i0 .. i0 + vec - 1 into hn (zeros past the row)."""
+    def fetch(SC, hn, b, s, i0, listed):
+        """The raw bits of scores i0 .. i0 + vec - 1 into hn (zeros past the row or unlisted)."""
         for v in T.unroll(vec // 8):
             T.call_extern("handle", "dsv41c_fetch8", T.address_of(SC[b, s, T.min(i0 + v * 8, N - 1)]),
-                          N - i0 - v * 8, T.address_of(hn[v * 8]))
+                          T.Select(listed, N - i0 - v * 8, 0), T.address_of(hn[v * 8]))
 
     @T.macro
-    def load_keys(SC, hv, hn, kl, b, s, i0, more, newest):
-        """Keys of scores i0 .. i0 + vec - 1 from hn (fetched before), then the next chunk's bits
-        into hn (when `more`): their loads travel while this chunk is processed."""
+    def load_keys(SC, hv, hn, kl, b, s, i0, listed, nxt, nxt_listed, more, newest):
+        """Keys of scores i0 .. i0 + vec - 1 from hn (fetched before), then the next step's bits
+        into hn (when `more`): their loads travel while this step is processed."""
         for e in T.unroll(vec):
             hv[e] = hn[e]
         if more:
-            fetch(SC, hn, b, s, i0 + chunk)
+            fetch(SC, hn, b, s, nxt, nxt_listed)
         for e in T.unroll(vec):
-            # past the row: 0x10000, above every 16-bit key and equal to no threshold
-            kl[e] = T.Select(i0 + e < N, _sel_key(hv[e], i0 + e, newest, blocks), _u(0x10000))
+            # past the row or unlisted: 0x10000, above every 16-bit key and equal to no threshold
+            kl[e] = T.Select(listed and i0 + e < N, _sel_key(hv[e], i0 + e, newest, blocks), _u(0x10000))
+
+    def entry(c, gath, LS, nl, p, part, tx):
+        """(first score of this thread's `vec` in step c of a walk, whether it holds keys): in a
+        gathered walk the block LS[c * ts + tx] of the window's list, else the part's chunk c."""
+        dense = p * part + c * chunk + tx * vec
+        if not cand:
+            return dense, T.bool(True)
+        j = c * ts + tx
+        return T.Select(gath != 0, LS[T.min(j, T.max(nl - 1, 0))] * BLOCK, dense), T.Or(gath == 0, j < nl)
+
+    @T.macro
+    def gather_list(CAND, LS, lc, b, s, w0, wn, res, wsum, tx):
+        """LS[0 .. lc[0]) = the kept blocks among w0 .. w0 + wn - 1, ascending (8 flags a thread,
+        a block scan of the counts); lc[1] += the scores of this thread's blocks not kept."""
+        lc[2] = 0  # this thread's kept blocks, then its next list slot
+        lc[3] = 0  # their bits
+        for e in T.unroll(BLOCK):
+            if tx * BLOCK + e < wn:
+                if CAND[b, s, w0 + tx * BLOCK + e] != T.uint8(0):
+                    lc[2] = lc[2] + 1
+                    lc[3] = lc[3] | (1 << e)
+                else:
+                    lc[1] = lc[1] + T.min(BLOCK, N - (w0 + tx * BLOCK + e) * BLOCK)
+        block_scan(lc[2], res, wsum, tx)
+        lc[2] = res[0] - lc[2]
+        for e in T.unroll(BLOCK):
+            if (lc[3] >> e) & 1 != 0:
+                LS[lc[2]] = w0 + tx * BLOCK + e
+                lc[2] = lc[2] + 1
+        lc[0] = res[1]
+        T.sync_threads()
 
     @T.prim_func
     def main(SC: T.Tensor((B, S, N), "uint16"), VL: T.Tensor((S,), "int32"),
-             HIST: T.Tensor((B, S, 2, 256), "int32"), PART: T.Tensor((B, S, P, 257), "int32"),
-             OUT: T.Tensor(out_shape, out_dtype), part: T.int32, k: T.int32, offset: T.int32):
+             CAND: T.Tensor((CB, CS, NB), "uint8"), HIST: T.Tensor((B, S, 2, 256), "int32"),
+             PART: T.Tensor((B, S, P, 257), "int32"), OUT: T.Tensor(out_shape, out_dtype),
+             part: T.int32, k: T.int32, offset: T.int32):
         with T.Kernel(S, P, B, threads=ts, prelude=_FETCH_PRELUDE) as (s, p, b):
             tx = T.get_thread_binding()
             hist = T.alloc_shared((256,), "int32")
             ctl = T.alloc_shared((4,), "int32")
             wsum = T.alloc_shared((warps,), "int32")
+            LS = T.alloc_shared((win if cand else 1,), "int32")
             kl = T.alloc_local((vec,), "uint32")
             hv = T.alloc_local((vec,), "uint16")
             hn = T.alloc_local((vec,), "uint16")
             res = T.alloc_local((3,), "int32")
             run = T.alloc_local((2,), "int32")
+            lc = T.alloc_local((4,), "int32")
             bin_ = T.alloc_var("uint32")
             peers = T.alloc_var("uint32")
             thr = T.alloc_var("uint32")
             need = T.alloc_var("int32")
             gt = T.alloc_var("int32")
             eq = T.alloc_var("int32")
+            gath = T.alloc_var("int32")
+            nl = T.alloc_var("int32")
+            steps = T.alloc_var("int32")
             kk = k
             newest = T.Select(VL[s] > 0, (VL[s] - 1) // BLOCK, -1)
             lane_below = (_u(1) << T.Cast("uint32", tx % 32)) - _u(1)
+            pb0 = p * (part // BLOCK)  # the part's first block, and its blocks in the row
+            pbn = T.min(part // BLOCK, T.ceildiv(N, BLOCK) - pb0)
             if phase != "hist0":
                 find_bin(HIST, b, s, 0, kk, ctl, res, wsum, tx)
             if phase == "emit":
                 find_bin(HIST, b, s, 1, kk - ctl[1], ctl, res, wsum, tx)
                 thr = T.Cast("uint32", ctl[0] * 256 + ctl[2])
                 need = kk - ctl[1] - ctl[3]
+            # a gathered walk (candidate mode) visits the kept blocks only; the emit walks every
+            # score when T is -inf (the row has fewer than k finite scores: the -inf fill)
+            gath = 0
+            if cand:
+                gath = 1 if phase != "emit" else T.Select(thr > _u(_KEY_NEG_INF), 1, 0)
+            nl = 0
+            lc[1] = 0
             if phase == "hist0" or phase == "hist1":
                 hist[tx] = 0
                 gt = 0  # hist1: this thread's keys above the bin b1
                 T.sync_threads()
-                fetch(SC, hn, b, s, p * part + tx * vec)
-                for c in T.serial(part // chunk):
-                    i0 = p * part + c * chunk + tx * vec
-                    load_keys(SC, hv, hn, kl, b, s, i0, c + 1 < part // chunk, newest)
-                    for e in T.unroll(vec):
-                        if phase == "hist0":
-                            bin_ = T.Select(kl[e] < _u(0x10000), kl[e] >> _u(8), _u(256))
-                        else:
-                            bin_ = T.Select(kl[e] >> _u(8) == T.Cast("uint32", ctl[0]), kl[e] & _u(0xFF), _u(256))
-                            gt = gt + T.Select(kl[e] >> _u(8) > T.Cast("uint32", ctl[0]) and kl[e] < _u(0x10000),
-                                               1, 0)
-                        peers = T.call_extern("uint32", "__match_any_sync", _u(0xFFFFFFFF), bin_)
-                        if bin_ < _u(256) and (peers & lane_below) == _u(0):
-                            T.atomic_add(hist[T.Cast("int32", bin_)], T.call_extern("int32", "__popc", peers))
+                for wi in T.serial(T.ceildiv(pbn, win) if cand else 1):
+                    if cand:
+                        gather_list(CAND, LS, lc, b, s, pb0 + wi * win, T.min(win, pbn - wi * win), res, wsum, tx)
+                        nl = lc[0]
+                    steps = T.ceildiv(nl, ts) if cand else part // chunk
+                    i0, listed = entry(0, gath, LS, nl, p, part, tx)
+                    fetch(SC, hn, b, s, i0, listed)
+                    for c in T.serial(steps):
+                        i0, listed = entry(c, gath, LS, nl, p, part, tx)
+                        nxt, nxt_listed = entry(c + 1, gath, LS, nl, p, part, tx)
+                        load_keys(SC, hv, hn, kl, b, s, i0, listed, nxt, nxt_listed, c + 1 < steps, newest)
+                        for e in T.unroll(vec):
+                            if phase == "hist0":
+                                bin_ = T.Select(kl[e] < _u(0x10000), kl[e] >> _u(8), _u(256))
+                            else:
+                                bin_ = T.Select(kl[e] >> _u(8) == T.Cast("uint32", ctl[0]), kl[e] & _u(0xFF), _u(256))
+                                gt = gt + T.Select(kl[e] >> _u(8) > T.Cast("uint32", ctl[0]) and kl[e] < _u(0x10000),
+                                                   1, 0)
+                            peers = T.call_extern("uint32", "__match_any_sync", _u(0xFFFFFFFF), bin_)
+                            if bin_ < _u(256) and (peers & lane_below) == _u(0):
+                                T.atomic_add(hist[T.Cast("int32", bin_)], T.call_extern("int32", "__popc", peers))
+                if cand:
+                    # the blocks not kept hold -inf scores (key 0x007F): high byte 0, low byte 0x7F
+                    if phase == "hist0":
+                        if lc[1] > 0:
+                            T.atomic_add(hist[0], lc[1])
+                    elif lc[1] > 0 and ctl[0] == 0:
+                        T.atomic_add(hist[_KEY_NEG_INF & 0xFF], lc[1])
                 if phase == "hist1":
                     # PART[b, s, p, l] = this part's keys above b1 plus its keys in b1 with low byte
                     # >= l (l = 0..256): the emit reads two entries per part once it knows b2
@@ -881,7 +972,7 @@ def _cuda_select_prim_func(mode, phase):
             else:
                 # keys > T and == T in the parts before this one: PART[q, b2 + 1] and
                 # PART[q, b2] - PART[q, b2 + 1] of each part q < p
-                for j in T.serial(2):  # run[0], run[1]: keys > T and == T before this chunk
+                for j in T.serial(2):  # run[0], run[1]: keys > T and == T before this step
                     res[2] = 0
                     for qi in T.serial(T.ceildiv(p, ts)):
                         q = qi * ts + tx
@@ -890,28 +981,39 @@ def _cuda_select_prim_func(mode, phase):
                             res[2] = res[2] + T.Select(j == 0, above, PART[b, s, q, ctl[2]] - above)
                     block_scan(res[2], res, wsum, tx)
                     run[j] = res[1]
-                fetch(SC, hn, b, s, p * part + tx * vec)
-                for c in T.serial(part // chunk):
-                    i0 = p * part + c * chunk + tx * vec
-                    load_keys(SC, hv, hn, kl, b, s, i0, c + 1 < part // chunk, newest)
-                    gt = 0
-                    for e in T.unroll(vec):
-                        gt = gt + T.Select(kl[e] > thr and kl[e] < _u(0x10000), 1, 0) + \
-                            T.Select(kl[e] == thr, 65536, 0)
-                    block_scan(gt, res, wsum, tx)
-                    res[0] = res[0] - gt
-                    gt = run[0] + (res[0] & 0xFFFF)
-                    eq = run[1] + (res[0] >> 16)
-                    for e in T.unroll(vec):
-                        i = i0 + e
-                        if blocks:
-                            if i < N:
-                                OUT[b, s, i] = T.Cast("uint8", (kl[e] > thr or (kl[e] == thr and eq < need))
-                                                      and kl[e] > _u(_KEY_NEG_INF))
-                        elif i < N and (kl[e] > thr or (kl[e] == thr and eq < need)):
-                            OUT[b, s, gt + T.min(eq, need)] = T.Select(i >= VL[s], -1, i + offset)
-                        gt = gt + T.Select(kl[e] > thr, 1, 0)
-                        eq = eq + T.Select(kl[e] == thr, 1, 0)
-                    run[0] = run[0] + (res[1] & 0xFFFF)
-                    run[1] = run[1] + (res[1] >> 16)
-    return main
+                for wi in T.serial(T.Select(gath != 0, T.ceildiv(pbn, win), 1) if cand else 1):
+                    if cand:
+                        if gath != 0:
+                            gather_list(CAND, LS, lc, b, s, pb0 + wi * win, T.min(win, pbn - wi * win), res, wsum,
+                                        tx)
+                            nl = lc[0]
+                    steps = T.Select(gath != 0, T.ceildiv(nl, ts), part // chunk) if cand else part // chunk
+                    i0, listed = entry(0, gath, LS, nl, p, part, tx)
+                    fetch(SC, hn, b, s, i0, listed)
+                    for c in T.serial(steps):
+                        i0, listed = entry(c, gath, LS, nl, p, part, tx)
+                        nxt, nxt_listed = entry(c + 1, gath, LS, nl, p, part, tx)
+                        load_keys(SC, hv, hn, kl, b, s, i0, listed, nxt, nxt_listed, c + 1 < steps, newest)
+                        gt = 0
+                        for e in T.unroll(vec):
+                            gt = gt + T.Select(kl[e] > thr and kl[e] < _u(0x10000), 1, 0) + \
+                                T.Select(kl[e] == thr, 65536, 0)
+                        block_scan(gt, res, wsum, tx)
+                        res[0] = res[0] - gt
+                        gt = run[0] + (res[0] & 0xFFFF)
+                        eq = run[1] + (res[0] >> 16)
+                        for e in T.unroll(vec):
+                            i = i0 + e
+                            if blocks:
+                                if i < N:
+                                    OUT[b, s, i] = T.Cast("uint8", (kl[e] > thr or (kl[e] == thr and eq < need))
+                                                          and kl[e] > _u(_KEY_NEG_INF))
+                            elif kl[e] < _u(0x10000) and (kl[e] > thr or (kl[e] == thr and eq < need)):
+                                OUT[b, s, gt + T.min(eq, need)] = T.Select(i >= VL[s], -1, i + offset)
+                            gt = gt + T.Select(kl[e] > thr, 1, 0)
+                            eq = eq + T.Select(kl[e] == thr, 1, 0)
+                        run[0] = run[0] + (res[1] & 0xFFFF)
+                        run[1] = run[1] + (res[1] >> 16)
+    # candidate mode places its own barriers: TileLang's pass adds 3 redundant ones per window and
+    # step of the histograms (the list and the bins are guarded by the block scans' barriers)
+    return main.with_attr(NO_SYNC_ATTR, 1) if cand else main
