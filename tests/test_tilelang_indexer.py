@@ -438,6 +438,8 @@ def test_cuda_select_candidates_lower_for_sm90():
             src[phase] = tilelang.lower(main, target=tgt).kernel_source
     for phase in SELECT_PHASES_BARRIERS:
         assert src[phase].count("__syncthreads();") == SELECT_PHASES_BARRIERS[phase], phase
+        # the split's CTAs per SM fit the register budget (the emit took 83 registers without it: 3 CTAs)
+        assert f"__launch_bounds__({K._SEL_THREADS}, {K._SEL_CTAS_PER_SM})" in src[phase]
         assert "const uchar* __restrict__ CAND" in src[phase] and "((int*)LS)[" in src[phase]
 
 

@@ -736,7 +736,7 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
 
 _SEL_THREADS = 256  # CUDA select: threads per CTA, one histogram bin each
 _SEL_VEC = 8  # CUDA select: consecutive scores per thread and chunk (a multiple of 8: 16-byte loads)
-_SEL_CTAS_PER_SM = 4  # CUDA select: the split's CTAs per SM (`cuda_select_split`)
+_SEL_CTAS_PER_SM = 4  # CUDA select: the split's CTAs per SM (`cuda_select_split`), and the launch bounds' minimum
 _SEL_GATHER_CHUNKS = 3  # CUDA select: the fewest chunks a part spans for the candidate mode (`cuda_select_gathers`)
 SELECT_PHASES = ("hist0", "hist1", "emit")
 
@@ -886,6 +886,7 @@ def _cuda_select_prim_func(mode, phase):
              PART: T.Tensor((B, S, P, 257), "int32"), OUT: T.Tensor(out_shape, out_dtype),
              part: T.int32, k: T.int32, offset: T.int32):
         with T.Kernel(S, P, B, threads=ts, prelude=_FETCH_PRELUDE) as (s, p, b):
+            T.annotate_min_blocks_per_sm(_SEL_CTAS_PER_SM)  # the split's CTAs per SM, in the register budget
             tx = T.get_thread_binding()
             hist = T.alloc_shared((256,), "int32")
             ctl = T.alloc_shared((4,), "int32")
