@@ -837,26 +837,32 @@ def _cuda_select_prim_func(mode, phase):
             T.call_extern("handle", "dsv41c_fetch8", T.address_of(SC[b, s, T.min(i0 + v * 8, N - 1)]),
                           T.Select(listed, N - i0 - v * 8, 0), T.address_of(hn[v * 8]))
 
-    @T.macro
-    def load_keys(SC, hv, hn, kl, b, s, i0, listed, nxt, nxt_listed, more, newest):
-        """Keys of scores i0 .. i0 + vec - 1 from hn (fetched before), then the next step's bits
-        into hn (when `more`): their loads travel while this step is processed."""
-        for e in T.unroll(vec):
-            hv[e] = hn[e]
-        if more:
-            fetch(SC, hn, b, s, nxt, nxt_listed)
-        for e in T.unroll(vec):
-            # past the row or unlisted: 0x10000, above every 16-bit key and equal to no threshold
-            kl[e] = T.Select(listed and i0 + e < N, _sel_key(hv[e], i0 + e, newest, blocks), _u(0x10000))
-
     def entry(c, gath, LS, nl, p, part, tx):
         """(first score of this thread's `vec` in step c of a walk, whether it holds keys): in a
-        gathered walk the block LS[c * ts + tx] of the window's list, else the part's chunk c."""
+        gathered walk the block LS[c * ts + tx] of the window's list of nl, else the part's chunk c."""
         dense = p * part + c * chunk + tx * vec
         if not cand:
             return dense, T.bool(True)
         j = c * ts + tx
         return T.Select(gath != 0, LS[T.min(j, T.max(nl - 1, 0))] * BLOCK, dense), T.Or(gath == 0, j < nl)
+
+    def steps(gath, nl, part):
+        """Steps of a window's walk: ceil(nl / ts) listed blocks, or the part's chunks."""
+        return T.Select(gath != 0, T.ceildiv(nl, ts), part // chunk) if cand else part // chunk
+
+    @T.macro
+    def load_step(SC, LS, lc, hv, hn, kl, b, s, p, part, c, gath, newest, tx):
+        """Keys of this thread's scores in step c from hn (fetched before), then the next step's
+        bits into hn: their loads travel while this step is processed."""
+        i0, listed = entry(c, gath, LS, lc[0], p, part, tx)
+        for e in T.unroll(vec):
+            hv[e] = hn[e]
+        if c + 1 < steps(gath, lc[0], part):
+            nxt, nxt_listed = entry(c + 1, gath, LS, lc[0], p, part, tx)
+            fetch(SC, hn, b, s, nxt, nxt_listed)
+        for e in T.unroll(vec):
+            # past the row or unlisted: 0x10000, above every 16-bit key and equal to no threshold
+            kl[e] = T.Select(listed and i0 + e < N, _sel_key(hv[e], i0 + e, newest, blocks), _u(0x10000))
 
     @T.macro
     def gather_list(CAND, LS, lc, b, s, w0, wn, res, wsum, tx):
@@ -879,6 +885,18 @@ def _cuda_select_prim_func(mode, phase):
                 lc[2] = lc[2] + 1
         lc[0] = res[1]
         T.sync_threads()
+
+    @T.macro
+    def open_window(SC, CAND, LS, lc, hn, b, s, p, part, wi, gath, res, wsum, tx):
+        """Window wi of the part's walk: in a gathered walk its list of kept blocks (lc[0] of
+        them); then the first step's bits into hn."""
+        if cand:
+            if gath != 0:
+                pb0 = p * (part // BLOCK)  # the part's first block, and its blocks in the row
+                pbn = T.min(part // BLOCK, T.ceildiv(N, BLOCK) - pb0)
+                gather_list(CAND, LS, lc, b, s, pb0 + wi * win, T.min(win, pbn - wi * win), res, wsum, tx)
+        i0, listed = entry(0, gath, LS, lc[0], p, part, tx)
+        fetch(SC, hn, b, s, i0, listed)
 
     @T.prim_func
     def main(SC: T.Tensor((B, S, N), "uint16"), VL: T.Tensor((S,), "int32"),
@@ -905,13 +923,10 @@ def _cuda_select_prim_func(mode, phase):
             gt = T.alloc_var("int32")
             eq = T.alloc_var("int32")
             gath = T.alloc_var("int32")
-            nl = T.alloc_var("int32")
-            steps = T.alloc_var("int32")
             kk = k
             newest = T.Select(VL[s] > 0, (VL[s] - 1) // BLOCK, -1)
             lane_below = (_u(1) << T.Cast("uint32", tx % 32)) - _u(1)
-            pb0 = p * (part // BLOCK)  # the part's first block, and its blocks in the row
-            pbn = T.min(part // BLOCK, T.ceildiv(N, BLOCK) - pb0)
+            windows = T.ceildiv(T.min(part, N - p * part), win * BLOCK)  # of a gathered walk
             if phase != "hist0":
                 find_bin(HIST, b, s, 0, kk, ctl, res, wsum, tx)
             if phase == "emit":
@@ -923,23 +938,16 @@ def _cuda_select_prim_func(mode, phase):
             gath = 0
             if cand:
                 gath = 1 if phase != "emit" else T.Select(thr > _u(_KEY_NEG_INF), 1, 0)
-            nl = 0
+            lc[0] = 0
             lc[1] = 0
             if phase == "hist0" or phase == "hist1":
                 hist[tx] = 0
                 gt = 0  # hist1: this thread's keys above the bin b1
                 T.sync_threads()
-                for wi in T.serial(T.ceildiv(pbn, win) if cand else 1):
-                    if cand:
-                        gather_list(CAND, LS, lc, b, s, pb0 + wi * win, T.min(win, pbn - wi * win), res, wsum, tx)
-                        nl = lc[0]
-                    steps = T.ceildiv(nl, ts) if cand else part // chunk
-                    i0, listed = entry(0, gath, LS, nl, p, part, tx)
-                    fetch(SC, hn, b, s, i0, listed)
-                    for c in T.serial(steps):
-                        i0, listed = entry(c, gath, LS, nl, p, part, tx)
-                        nxt, nxt_listed = entry(c + 1, gath, LS, nl, p, part, tx)
-                        load_keys(SC, hv, hn, kl, b, s, i0, listed, nxt, nxt_listed, c + 1 < steps, newest)
+                for wi in T.serial(windows if cand else 1):
+                    open_window(SC, CAND, LS, lc, hn, b, s, p, part, wi, gath, res, wsum, tx)
+                    for c in T.serial(steps(gath, lc[0], part)):
+                        load_step(SC, LS, lc, hv, hn, kl, b, s, p, part, c, gath, newest, tx)
                         for e in T.unroll(vec):
                             if phase == "hist0":
                                 bin_ = T.Select(kl[e] < _u(0x10000), kl[e] >> _u(8), _u(256))
@@ -982,19 +990,11 @@ def _cuda_select_prim_func(mode, phase):
                             res[2] = res[2] + T.Select(j == 0, above, PART[b, s, q, ctl[2]] - above)
                     block_scan(res[2], res, wsum, tx)
                     run[j] = res[1]
-                for wi in T.serial(T.Select(gath != 0, T.ceildiv(pbn, win), 1) if cand else 1):
-                    if cand:
-                        if gath != 0:
-                            gather_list(CAND, LS, lc, b, s, pb0 + wi * win, T.min(win, pbn - wi * win), res, wsum,
-                                        tx)
-                            nl = lc[0]
-                    steps = T.Select(gath != 0, T.ceildiv(nl, ts), part // chunk) if cand else part // chunk
-                    i0, listed = entry(0, gath, LS, nl, p, part, tx)
-                    fetch(SC, hn, b, s, i0, listed)
-                    for c in T.serial(steps):
-                        i0, listed = entry(c, gath, LS, nl, p, part, tx)
-                        nxt, nxt_listed = entry(c + 1, gath, LS, nl, p, part, tx)
-                        load_keys(SC, hv, hn, kl, b, s, i0, listed, nxt, nxt_listed, c + 1 < steps, newest)
+                for wi in T.serial(T.Select(gath != 0, windows, 1) if cand else 1):
+                    open_window(SC, CAND, LS, lc, hn, b, s, p, part, wi, gath, res, wsum, tx)
+                    for c in T.serial(steps(gath, lc[0], part)):
+                        load_step(SC, LS, lc, hv, hn, kl, b, s, p, part, c, gath, newest, tx)
+                        i0 = entry(c, gath, LS, lc[0], p, part, tx)[0]
                         gt = 0
                         for e in T.unroll(vec):
                             gt = gt + T.Select(kl[e] > thr and kl[e] < _u(0x10000), 1, 0) + \
