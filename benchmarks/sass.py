@@ -76,8 +76,10 @@ def kernels(families: list[str], arch: str):
     if "indexer" in families:
         from dsv41c.tilelang_kernels import indexer
         yield "indexer", "scores H=32 d=128 (block max)", indexer.build("scores", (32, 128, False, False, True), target)
-        for phase in indexer.SELECT_PHASES:
-            yield "indexer", f"select topk {phase}", indexer.build("select", ("topk", phase), target)
+        yield "indexer", "scores H=32 d=128 (candidates)", indexer.build("scores", (32, 128, False, True, False), target)
+        for mode in ("topk", "cand"):
+            for phase in indexer.SELECT_PHASES:
+                yield "indexer", f"select {mode} {phase}", indexer.build("select", (mode, phase), target)
 
 
 def sass(kernel) -> str:
