@@ -994,7 +994,7 @@ def _cuda_select_prim_func(mode, phase):
                     open_window(SC, CAND, LS, lc, hn, b, s, p, part, wi, gath, res, wsum, tx)
                     for c in T.serial(steps(gath, lc[0], part)):
                         load_step(SC, LS, lc, hv, hn, kl, b, s, p, part, c, gath, newest, tx)
-                        i0 = entry(c, gath, LS, lc[0], p, part, tx)[0]
+                        i0, listed = entry(c, gath, LS, lc[0], p, part, tx)
                         gt = 0
                         for e in T.unroll(vec):
                             gt = gt + T.Select(kl[e] > thr and kl[e] < _u(0x10000), 1, 0) + \
@@ -1009,7 +1009,7 @@ def _cuda_select_prim_func(mode, phase):
                                 if i < N:
                                     OUT[b, s, i] = T.Cast("uint8", (kl[e] > thr or (kl[e] == thr and eq < need))
                                                           and kl[e] > _u(_KEY_NEG_INF))
-                            elif kl[e] < _u(0x10000) and (kl[e] > thr or (kl[e] == thr and eq < need)):
+                            elif listed and i < N and (kl[e] > thr or (kl[e] == thr and eq < need)):
                                 OUT[b, s, gt + T.min(eq, need)] = T.Select(i >= VL[s], -1, i + offset)
                             gt = gt + T.Select(kl[e] > thr, 1, 0)
                             eq = eq + T.Select(kl[e] == thr, 1, 0)
