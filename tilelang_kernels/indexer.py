@@ -789,6 +789,14 @@ def _cuda_select_prim_func(mode, phase):
            block scan of the per-thread (> T, == T) counts (16 bits each in one int32) gives each
            thread its output positions; the output is in index order.  Funnel mode writes every
            block's keep flag instead.
+
+    Candidate mode ("cand": top-k given the block flags, every score outside the kept blocks
+    -inf) walks lists instead of the whole part: per window of `_SEL_THREADS x 8` blocks, each
+    thread reads 8 flags, a block scan places its kept blocks in a shared list in ascending
+    order, and each step gives a thread one listed block (its 8 scores, one 16-byte load).  The
+    histogram phases add the blocks not kept as -inf keys in bulk, so HIST and PART count the
+    whole row; the emit walks the lists while T is above -inf, and every score of its part when
+    T is -inf (fewer than k finite scores: the -inf fill takes -inf keys in index order).
     """
     B, S, N, KO, P = T.dynamic("B"), T.dynamic("S"), T.dynamic("N"), T.dynamic("KO"), T.dynamic("P")
     CB, CS, NB = T.dynamic("CB"), T.dynamic("CS"), T.dynamic("NB")  # CAND: [B, S, nb] in mode "cand", else unread
