@@ -139,8 +139,9 @@ def select_phases(batches, contexts, k, blocks) -> None:
                 t = [bench_graph(select_launches(copies, bufs, K.SELECT_PHASES[:m], target)) * 1e3
                      for m in range(len(K.SELECT_PHASES) + 1)]
                 full = bench_graph(cycling_scores(copies, vl, k)) * 1e3
-                exact = torch.equal(K.index_topk(*copies[1][:1], vl, copies[1][1], k=k, offset=128).cpu(),
-                                    K.index_topk_ref(copies[1][0].cpu(), vl.cpu(), k=k, offset=128))
+                sc, keep = copies[1]
+                exact = torch.equal(K.index_topk(sc, vl, keep, k=k, offset=128).cpu(),
+                                    K.index_topk_ref(sc.cpu(), vl.cpu(), k=k, offset=128))
                 print(f"| {b} | {n} | {kind} | {'yes' if flags else 'no'} | {t[0]:.1f} | "
                       + " | ".join(f"{t[i + 1] - t[i]:.1f}" for i in range(len(K.SELECT_PHASES)))
                       + f" | {full:.1f} | {exact} |")

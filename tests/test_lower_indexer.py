@@ -12,6 +12,7 @@ Ties: the kernels give a tie to the lower index; the eager bf16 path uses torch.
 the queries are MXFP4-quantised (kv_quant).
 """
 import json
+import re
 
 import pytest
 import torch
@@ -152,6 +153,9 @@ def test_small_graph_is_lowered_and_matches_eager(case):
     assert "mxfp4_dequant" not in after                                # the kernels read the bytes
     assert kernel_calls(before) == dict.fromkeys(KERNELS, 0)
     assert kernel_calls(after) == {"index_scores": 2, "candidate_blocks": 1, "index_topk": 2}
+    # the user layer's top-k gets the source's block flags (it reads only the kept blocks' scores)
+    topk_args = re.findall(r"torch\.ops\.dsv41c\.index_topk\.default\(\w+, \w+, (\w+),", after)
+    assert topk_args == ["None", re.search(r"(\w+)\s*:[^=]*= torch\.ops\.dsv41c\.candidate_blocks", after)[1]]
     stats = pipeline.stats["lower_indexer"]
     assert stats.details == ["index_scores + candidate_blocks + index_topk at source",
                              "index_scores + index_topk at user (candidates)"]
