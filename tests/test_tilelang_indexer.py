@@ -421,6 +421,8 @@ def test_cuda_scores_gather_lowers_for_sm90():
     assert "__ballot_sync" in src and src.count("AtomicAddRet(") == 1
     assert src.count("__syncthreads();") == 4 and src.count("__syncthreads_or(") == 1
     assert "it < walk" in src  # the tile loop's trip count is the compacted count
+    # the blocks not kept get their -inf scores by one 16-byte store a block where aligned
+    assert src.count("dsv41c_fill_neg_inf8(") == 2 and "*reinterpret_cast<uint4*>(p) = make_uint4(0xFF80FF80u" in src
 
 
 def test_cuda_select_candidates_lower_for_sm90():

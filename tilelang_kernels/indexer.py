@@ -545,6 +545,19 @@ __device__ __forceinline__ void dsv41c_decode_block(const void* codes, unsigned 
     }
   }
 }
+
+// -inf into the scores p[0 .. min(left, 8)): one 16-byte store where all 8 are in the row and p is
+// aligned (each lane then writes whole sectors, not 2 bytes of one per store), else one at a time.
+__device__ __forceinline__ void dsv41c_fill_neg_inf8(void* p, int left) {
+  if (left >= 8 && (reinterpret_cast<unsigned long long>(p) & 15ull) == 0ull) {
+    *reinterpret_cast<uint4*>(p) = make_uint4(0xFF80FF80u, 0xFF80FF80u, 0xFF80FF80u, 0xFF80FF80u);
+  } else {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      if (e < left) reinterpret_cast<unsigned short*>(p)[e] = 0xFF80u;
+    }
+  }
+}
 """
 
 
@@ -571,8 +584,9 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
     weights once, then walks its range of `tpc` tiles of `_BN` keys.  With candidate blocks it
     first compacts the range's kept blocks into a shared list (warp ballots, one shared atomic
     per warp for its slots; the list's order does not matter: each key's score is its own row
-    of the GEMM), writes -inf for the keys (and block maxima) of the others, and walks only
-    ceil(kept / (_BN / 8)) tiles, each gathering _BN / 8 listed blocks.  So a Reindex layer reads and decodes only its
+    of the GEMM), writes -inf for the keys (and block maxima) of the others (a 16-byte store a
+    block where the row allows it: `dsv41c_fill_neg_inf8`), and walks only ceil(kept / (_BN / 8))
+    tiles, each gathering _BN / 8 listed blocks.  So a Reindex layer reads and decodes only its
     candidate blocks' keys; a range with every block kept costs what it does without candidates.
     Per tile:
     - key bytes: thread t owns d/32 (key, scale block) units; the 32 / (d/32) lanes of a warp that
@@ -685,9 +699,8 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                             below = m & ((_u(1) << T.Cast("uint32", tx % 32)) - _u(1))
                             LS[base + T.call_extern("int32", "__popc", below)] = T.Cast("uint16", o)
                     if T.And(inr, T.Not(keep)):
-                        for e in T.serial(BLOCK):
-                            if blk * BLOCK + e < N:
-                                SC[b, s, blk * BLOCK + e] = T.Cast("bfloat16", neg_inf)
+                        T.call_extern("handle", "dsv41c_fill_neg_inf8", T.address_of(SC[b, s, blk * BLOCK]),
+                                      N - blk * BLOCK)
                         if bmax:
                             BM[b, s, blk] = T.Cast("bfloat16", neg_inf)
                 T.sync_threads()
