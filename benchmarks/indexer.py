@@ -14,8 +14,9 @@ n = context index keys (ratio 1: the candidate source), top-k 512, 2048 candidat
 
 Variants, each timed with CUDA events (median of batches of back-to-back calls):
   score          tilelang `index_scores` with the block max (what the candidate source needs)
-  score+topk     the candidate source's whole step: `index_scores` + `index_topk` (k = 512) +
-                 `candidate_blocks` (2048 blocks)
+  score+topk     the candidate source's whole step: `index_scores` + `candidate_blocks` (2048
+                 blocks) + `index_topk` (k = 512) given the funnel's flags (it reads only the
+                 kept blocks' scores, as lower_indexer wires it: 2048 > 512)
   reindex        a Reindex layer's step: `index_scores` masked by the candidate blocks (the kernel
                  reads only the kept blocks' keys) + `index_topk` given the same flags (it reads
                  only the kept blocks' scores)
@@ -91,8 +92,11 @@ def kernel_score(q, codes, scales, w):
 
 
 def kernel_step(q, codes, scales, w, vl, k, kb):
+    """The candidate source as lower_indexer wires it: the top-k given the funnel's flags where
+    those keep it (`funnel_keeps_topk`: 2048 blocks for a top-512)."""
     sc, bm = K.index_scores(q, codes, scales, w, block_max=True)
-    return K.index_topk(sc, vl, k=k, offset=128), K.candidate_blocks(bm, vl, topk_blocks=kb)
+    keep = K.candidate_blocks(bm, vl, topk_blocks=kb)
+    return K.index_topk(sc, vl, keep if K.funnel_keeps_topk(kb, k) else None, k=k, offset=128), keep
 
 
 def cycling(fn, caches, q, w, *rest):
@@ -215,9 +219,10 @@ def main() -> None:
             kept = int(keep.sum())
             variants["reindex"] = (kernel_reindex, eager_reindex, comp_reindex, (vl, k, keep),
                                    kept * K.BLOCK * 68 + io + b * (nb + k * 4))
-            # the kernels' selections against the eager reference on the same scores
+            # the kernels' selection (the step's, given the funnel's flags) against the reference
+            # on the same scores, the whole rows
             sc, _ = K.index_scores(q, *caches[0], w, block_max=True)
-            exact_topk = torch.equal(K.index_topk(sc, vl, k=k, offset=128),
+            exact_topk = torch.equal(kernel_step(q, *caches[0], w, vl, k, kb)[0],
                                      K.index_topk_ref(sc, vl, k=k, offset=128))
             for name, (kern, eager, comp, rest, nbytes) in variants.items():
                 times = {}

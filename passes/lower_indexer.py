@@ -22,11 +22,18 @@ disappear. Per site:
     candidate source:
         sc, bm = dsv41c.index_scores(q, codes, scales, w, vl, None, n=n, block_max=True)
         keep   = dsv41c.candidate_blocks(bm, vl, topk_blocks=Indexer.topk_blocks)
-        idx    = dsv41c.index_topk(sc, vl, None, k=k, offset=offset)
+        idx    = dsv41c.index_topk(sc, vl, keep if Indexer.topk_blocks > Indexer.topk else None,
+                                   k=k, offset=offset)
     later index source (its candidate mask is the lowered `keep` of the source):
         sc, _  = dsv41c.index_scores(q, codes, scales, w, vl, keep, n=n, block_max=False)
         idx    = dsv41c.index_topk(sc, vl, keep, k=k, offset=offset)
     no funnel: as the later source without `keep`
+
+The top-k takes block flags where they keep every block it could select from (index_topk's
+contract): at a later source, the flags the scores were masked with; at the candidate source, its
+own funnel's flags when the funnel keeps more blocks than the top-k takes entries (the k largest
+scores then lie in the top k + 1 blocks by block maximum, the pinned one counted; bench.json keeps
+2048 blocks for a top-512). The CUDA top-k then reads only the kept blocks' scores.
 
 vl is visible_len as int32; the scoring kernel gets it only where the eager site masks invisible
 entries before the top-k (the prefill, whose `if state.is_prefill` block the site contains): a
@@ -177,7 +184,7 @@ class _Rewrite:
 
     # ------------------------------------------------------------------ one site
     def site(self, site: Site) -> str:
-        from dsv41c.tilelang_kernels.indexer import BLOCK
+        from dsv41c.tilelang_kernels.indexer import BLOCK, funnel_keeps_topk
 
         out = self._output(site)
         q, keys, w, cand = self._operands(site, _val(out))
@@ -214,8 +221,10 @@ class _Rewrite:
                     raise Mismatch(f"the candidate mask is {tuple(_val(mask_out).shape)}, the kernel's "
                                    f"{tuple(_val(mask).shape)}")
                 self.blocks[mask] = keep
-            # at a later source the scores are -inf outside the kept blocks: the top-k reads only those
-            idx = self._node(torch.ops.dsv41c.index_topk.default, (sc, vl32, cand), {"k": k, "offset": offset})
+            # the blocks the top-k reads (module docstring): the source's own funnel when it keeps more
+            # blocks than the top-k takes entries, the candidates at a later source
+            flags = keep if funnel and funnel_keeps_topk(module.topk_blocks, module.topk) else cand
+            idx = self._node(torch.ops.dsv41c.index_topk.default, (sc, vl32, flags), {"k": k, "offset": offset})
         if str(_val(idx).shape) != str(_val(out).shape):
             raise Mismatch(f"index_topk gives {tuple(_val(idx).shape)}, the site {tuple(_val(out).shape)}")
         out.replace_all_uses_with(idx)

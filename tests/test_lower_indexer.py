@@ -126,8 +126,8 @@ def compile_small(module, lower, s: int, n: int, start_pos: int, dtype=torch.bfl
         return fn(*inputs), inputs, pipeline
 
 
-def small_module(dtype=torch.bfloat16, packed=True):
-    args = cut_args()
+def small_module(dtype=torch.bfloat16, packed=True, **extra):
+    args = cut_args(**extra)
     module = TwoIndexers(args, dtype, packed).eval()
     module.args = args
     return module
@@ -168,6 +168,26 @@ def test_small_graph_is_lowered_and_matches_eager(case):
         assert (rb >= 0).all() and not torch.equal(ra, rb)
     else:                                   # prefill: the first queries see few entries (-1)
         assert (ra[:, 0] == -1).sum() == 2 * (k - 1)
+
+
+@pytest.mark.parametrize("case", ("prefill", "decode"))
+def test_source_topk_gets_its_funnel_flags_when_they_keep_it(case):
+    """With more candidate blocks than top-k entries (bench.json: 2048 for 512) the candidate
+    source's own top-k is given its funnel's flags (`funnel_keeps_topk`; the CUDA top-k then
+    reads only the kept blocks); the lists equal eager's all the same."""
+    s, n, start_pos = CASES[case]
+    module, log = small_module(candidate_topk_blocks=9), []
+    k = module.source.topk
+    assert module.source.topk_blocks > k
+    lower = Record(log)
+    lower.strict = True
+    (a, b), inputs, _ = compile_small(module, lower, s, n, start_pos)
+    after = log[0][2]
+    flags = re.search(r"(\w+)\s*:[^=]*= torch\.ops\.dsv41c\.candidate_blocks", after)[1]
+    topk_args = re.findall(r"torch\.ops\.dsv41c\.index_topk\.default\(\w+, \w+, (\w+),", after)
+    assert topk_args == [flags, flags]
+    ra, rb = eager_stable(module, inputs)
+    assert torch.equal(a, ra) and torch.equal(b, rb)
 
 
 def test_small_graph_with_torch_topk_ties_selects_equal_scores():

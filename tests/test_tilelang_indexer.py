@@ -12,6 +12,8 @@ import shutil
 import pytest
 import torch
 from conftest import CopyRecorder, cache_read
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from dsv41c import quant
 from dsv41c.attention import Indexer, top_indices
@@ -173,6 +175,37 @@ def test_funnel_bit_exact_cpu(n, kb):
     funnel = type("Funnel", (), {"block_size": K.BLOCK, "topk_blocks": kb})()
     eager = Indexer.candidate_mask(funnel, sc.float(), vl.long())
     assert same(K.expand_blocks(keep, n), eager), f"seed={seed}"
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 400), k=st.integers(1, 40), extra=st.integers(1, 12),
+       prefill=st.booleans(), masked=st.sampled_from([0.0, 0.5, 0.97]))
+def test_funnel_flags_keep_the_topk_property(seed, n, k, extra, prefill, masked):
+    """`funnel_keeps_topk`: with topk_blocks > k, the top-k of a row's scores only outside the funnel's
+    kept blocks set to -inf (what index_topk computes given those flags) is the top-k of the row,
+    ties, the pinned newest block, prefill rows (-inf past the visible length) and rows of fewer
+    than k finite scores included.  Scores are drawn from few values, so ties are everywhere."""
+    kb = k + extra
+    assert K.funnel_keeps_topk(kb, k)
+    s = 3 if prefill else 1
+    vl = prefill_visible(s, 1) + max(0, n - s) if prefill else torch.tensor([n], dtype=torch.int32)
+    sc = random_scores(2, s, n, seed, vl, masked)
+    keep = K.candidate_blocks_ref(block_max_of(sc), vl, topk_blocks=kb)
+    only_kept = sc.masked_fill(~K.expand_blocks(keep, n), float("-inf"))
+    assert same(K.index_topk_ref(only_kept, vl, k=k, offset=0), K.index_topk_ref(sc, vl, k=k, offset=0))
+
+
+def test_funnel_flags_with_too_few_blocks_can_miss_the_topk():
+    """The bound is needed: keeping k blocks (the pinned newest among them) can drop a top-k entry."""
+    assert not K.funnel_keeps_topk(2, 2)
+    sc = torch.zeros(1, 1, 24, dtype=torch.bfloat16)
+    sc[0, 0, 3], sc[0, 0, 12] = 5.0, 4.0  # the top 2, in blocks 0 and 1; block 2 is the newest
+    vl = torch.tensor([24], dtype=torch.int32)
+    keep = K.candidate_blocks_ref(block_max_of(sc), vl, topk_blocks=2)
+    assert keep.tolist() == [[[True, False, True]]]
+    only_kept = sc.masked_fill(~K.expand_blocks(keep, 24), float("-inf"))
+    assert K.index_topk_ref(sc, vl, k=2, offset=0).tolist() == [[[3, 12]]]
+    assert K.index_topk_ref(only_kept, vl, k=2, offset=0).tolist() == [[[0, 3]]]  # entry 12 lost
 
 
 def test_funnel_ties_cpu():
@@ -525,6 +558,25 @@ def test_cuda_topk_candidates(b, s, n, k, frac, monkeypatch):
     sc = random_scores(b, s, n, seed, vl).masked_fill(~K.expand_blocks(keep, n), float("-inf"))
     got = K.index_topk(sc.cuda(), vl.cuda(), keep.cuda(), k=k, offset=128)
     assert same(got.cpu(), K.index_topk_ref(sc, vl, k=k, offset=128)), f"seed={seed}"
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("b,s,n,k", ((4, 5, 70000, 512), (32, 1, 262144, 512), (2, 3, 9000, 64)))
+def test_cuda_topk_given_the_funnel_flags(b, s, n, k, monkeypatch):
+    """The candidate source's top-k given its own funnel's flags (topk_blocks = 4k > k, as
+    lower_indexer passes them): the scores outside the kept blocks are finite here, read by no
+    one, and the lists equal the ref's over the whole rows (ties everywhere, a prefill-like row)."""
+    monkeypatch.setattr(K, "_SEL_GATHER_CHUNKS", 1)
+    seed = fresh_seed()
+    vl = torch.full((s,), n, dtype=torch.int32)
+    vl[-1] = max(1, n // 3)
+    sc = random_scores(b, s, n, seed, vl, 0.3).cuda()
+    vl = vl.cuda()
+    keep = K.candidate_blocks(block_max_of(sc), vl, topk_blocks=4 * k)
+    assert K.funnel_keeps_topk(4 * k, k) and not keep.all()
+    got = K.index_topk(sc, vl, keep, k=k, offset=128)
+    assert same(got.cpu(), K.index_topk_ref(sc.cpu(), vl.cpu(), k=k, offset=128)), f"seed={seed}"
 
 
 def test_cuda_select_split():

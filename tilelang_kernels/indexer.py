@@ -13,10 +13,12 @@ n keys, nb = ceil(n / 8) candidate blocks:
              k, offset) -> int32 [B,S,k]
       the k largest scores per query, ties to the lower index, ascending; indices >= visible_len
       become -1, the others get + offset (§6.5(g), the -inf fill quirk included).  cand_blocks
-      is a promise that every score outside the kept blocks is -inf (the scores `index_scores`
-      gives with the same flags): the CUDA build then reads only the kept blocks' scores (a
-      Reindex row keeps 2049 of 32768 blocks at 256K) and counts the others as -inf in bulk; the
-      result is the same.  The C build reads the whole row either way.
+      is a promise about the scores: the kept blocks hold every entry the top-k selects or, in a
+      row with fewer than k finite scores, every finite score.  The CUDA build then reads only
+      the kept blocks' scores (a row keeps 2049 of 32768 blocks at 256K) and counts the others
+      as -inf; the result is the same.  Flags that keep it: the ones `index_scores` masked the
+      scores with (every finite score is kept), and `candidate_blocks` over the scores' own block
+      maxima with topk_blocks > k (see `funnel_keeps_topk`).  The C build reads the whole row.
   candidate_blocks(block_max [B,S,nb] bf16, visible_len int32 [S], *, topk_blocks)
       -> keep bool [B,S,nb]: the newest block (visible_len-1)//8 pinned, the top
       min(topk_blocks, nb) blocks, ties to the lower index, kept iff also > -inf (§6.9).
@@ -74,7 +76,8 @@ from dsv41c.attention import Indexer, pad_to, top_indices
 from dsv41c.attention import index_scores as eager_index_scores  # the op below is index_scores
 
 __all__ = ["BLOCK", "index_scores", "index_scores_ref", "index_topk", "index_topk_ref", "candidate_blocks",
-           "candidate_blocks_ref", "expand_blocks", "build", "scores_prim_func", "select_prim_func"]
+           "candidate_blocks_ref", "expand_blocks", "funnel_keeps_topk", "build", "scores_prim_func",
+           "select_prim_func"]
 
 BLOCK = 8  # candidate block size b_c (§6.9)
 _NEG_INF_BF16 = 0xFF80
@@ -115,6 +118,20 @@ def index_topk_ref(scores, visible_len, *, k, offset):
     the slots past n are -1."""
     idx = top_indices(pad_to(scores.float(), k), k).sort(dim=-1).values
     return torch.where(idx >= visible_len.view(1, -1, 1), -1, idx + offset).int()
+
+
+def funnel_keeps_topk(topk_blocks: int, k: int) -> bool:
+    """Whether the funnel's flags over a row's own block maxima (`candidate_blocks`) keep every
+    entry the row's top-k selects, so `index_topk` may be given them: true for topk_blocks > k.
+
+    Let T be the k-th largest score.  If T > -inf: the blocks holding a score > T number at most
+    #(> T) = k - need and outrank every other block but the pinned one, so with the pin they fit
+    in k + 1 - need slots; the first `need` entries == T (index order) lie in blocks whose max is
+    >= T, and those with max == T are the lowest-index such blocks (a lower one would hold an
+    earlier entry == T), at most `need` of them, next in the funnel's order: k + 1 slots in all.
+    If T = -inf (fewer than k finite scores), the finite blocks are fewer than k + 1 and all kept.
+    A property test checks this on the refs (tests/test_tilelang_indexer.py)."""
+    return topk_blocks > k
 
 
 def candidate_blocks_ref(block_max, visible_len, *, topk_blocks):
