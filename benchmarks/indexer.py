@@ -120,11 +120,10 @@ def select_phases(batches, contexts, k, blocks) -> None:
     print("| B | n | scores | flags | zeroing us | " + " | ".join(f"{p} us" for p in K.SELECT_PHASES)
           + " | index_topk us | exact |")
     print("|---:|---:|---|---|" + "---:|" * (len(K.SELECT_PHASES) + 2) + "---|")
-    target = K.kernel_target(torch.empty(0, device="cuda"), "indexer")
     for b in batches:
         for n in contexts:
             vl = torch.tensor([n], dtype=torch.int32, device="cuda")
-            parts, part = K.cuda_select_split(n, b)
+            part = K.cuda_select_split(n, b)[1]
             nb = -(-n // K.BLOCK)
             for kind, flags in (("dense", False), ("reindex", False), ("reindex", True)):
                 copies = []
@@ -136,11 +135,8 @@ def select_phases(batches, contexts, k, blocks) -> None:
                     copies.append((sc, keep if flags else None))
                 if flags and not K.cuda_select_gathers(part):
                     continue  # index_topk takes the dense walk (the row above) for such parts
-                hist = torch.zeros(b, 1, 2, 256, dtype=torch.int32, device="cuda")
-                part_hist = torch.empty(b, 1, parts, 257, dtype=torch.int32, device="cuda")
                 out = torch.empty(b, 1, k, dtype=torch.int32, device="cuda")
-                bufs = (vl, hist, part_hist, out, part, k, 128)
-                t = [bench_graph(select_launches(copies, bufs, K.SELECT_PHASES[:m], target)) * 1e3
+                t = [bench_graph(select_launches(copies, vl, k, out, K.SELECT_PHASES[:m])) * 1e3
                      for m in range(len(K.SELECT_PHASES) + 1)]
                 full = bench_graph(cycling_scores(copies, vl, k)) * 1e3
                 sc, keep = copies[1]
@@ -151,21 +147,15 @@ def select_phases(batches, contexts, k, blocks) -> None:
                       + f" | {full:.1f} | {exact} |")
 
 
-def select_launches(copies, bufs, phases, target):
-    """The histograms zeroed, then the select launches `phases` of one top-k, on the next copy
-    (the candidate mode where the copy has flags)."""
+def select_launches(copies, vl, k, out, phases):
+    """The select of one top-k on the next copy as `index_topk` runs it (zeroed histograms, the
+    candidate mode where the copy has flags and its parts take it), its launches cut to `phases`."""
     it = [0]
-    unread = torch.empty(1, 1, 1, dtype=torch.uint8, device="cuda")
 
     def run():
         it[0] += 1
         sc, keep = copies[it[0] % len(copies)]
-        vl, hist, *rest = bufs
-        hist.zero_()
-        cand = unread if keep is None else keep.view(torch.uint8)
-        for phase in phases:
-            K.build("select", ("topk" if keep is None else "cand", phase), target)(
-                sc.view(torch.uint16), vl, cand, hist, *rest)
+        K._select("topk", sc, vl, k, 128, out, keep, phases)
     return run
 
 

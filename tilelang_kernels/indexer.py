@@ -403,9 +403,11 @@ def _check_select(op, scores, visible_len):
                          f"got {visible_len.dtype} {tuple(visible_len.shape)} on {visible_len.device}")
 
 
-def _select(mode, scores, visible_len, k, offset, out, cand_blocks=None):
+def _select(mode, scores, visible_len, k, offset, out, cand_blocks=None, phases=None):
     """Run the select build(s) of `mode` on scores [B,S,n] (k >= 1) into out; in top-k mode the
-    CUDA build reads only the blocks `cand_blocks` keeps (their scores hold every finite one)."""
+    CUDA build reads only the blocks `cand_blocks` keeps (see index_topk).  `phases`: the CUDA
+    launches to run after the histograms are zeroed (default all of SELECT_PHASES;
+    benchmarks/indexer.py times each prefix)."""
     target = kernel_target(scores, "indexer")
     sc = scores.contiguous().view(torch.uint16)
     vl = visible_len.contiguous()
@@ -422,7 +424,7 @@ def _select(mode, scores, visible_len, k, offset, out, cand_blocks=None):
         cand = sc.new_empty((1, 1, 1), dtype=torch.uint8)
     hist = torch.zeros(b, s, 2, 256, dtype=torch.int32, device=scores.device)
     part_hist = torch.empty(b, s, parts, 257, dtype=torch.int32, device=scores.device)
-    for phase in SELECT_PHASES:
+    for phase in SELECT_PHASES if phases is None else phases:
         build("select", (mode, phase), target)(sc, vl, cand, hist, part_hist, out, part, k, offset)
 
 
