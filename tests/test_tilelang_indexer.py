@@ -328,10 +328,12 @@ def test_cuda_decode_formula_cpu():
     words = codes.view(256, 16, 4, 4).long()
     words = words[..., 0] | words[..., 1] << 8 | words[..., 2] << 16 | words[..., 3] << 24  # [scale, block, q]
     f = (s.clamp(max=128) + 126) << 7  # the one-multiply path (a warp whose s are all <= 128): x 2^(s-1)
+    s6 = (words << 6) & 0xFFFFFFFF  # dsv41c_e2m1_words(w, x), on int64
+    v01 = (words & ~0x22002200) | (s6 & 0x22002200)
+    v23 = ((words & ~0x00220000) | (s6 & 0x00220000)) | (words >> 26) << 32  # hi:v23 for the funnel
+    xs = [(v01 << 6) & 0x81C081C0, (v01 << 2) & 0x81C081C0, (v23 >> 2) & 0x81C081C0, (v23 >> 6) & 0x81C081C0]
     got, got_one = [], []
-    for i in range(4):  # dsv41c_e2m1_bits(w, i), its two halves, then the multiplies
-        mag = ((words << (6 - 4 * i)) if i < 2 else (words >> (4 * i - 6))) & 0x01C001C0
-        x = mag | ((words << (12 - 4 * i)) & 0x80008000)
+    for x in xs:  # each x[i], its two halves, then the multiplies
         got.append([_bf16_mul(_bf16_mul((x >> h) & 0xFFFF, torch.tensor(0x7E80)), sb) for h in (0, 16)])
         got_one.append([_bf16_mul((x >> h) & 0xFFFF, f) for h in (0, 16)])
     got, got_one = (torch.stack([torch.stack(p, dim=-1) for p in g], dim=-2).flatten(-3)  # [scale, block, 32]

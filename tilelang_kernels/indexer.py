@@ -507,6 +507,12 @@ _THREADS = 128  # one warpgroup multiplying the tile's keys (= _BN)
 # registers) and 3 of 256 (71 registers): BENCHMARKS.md, indexer section.
 _CTAS_PER_SM = 5
 _MAX_TPC = 16  # key tiles a scoring CTA walks at most (`cuda_tiles_per_cta`)
+# CUDA scoring: the sum over heads as a second wgmma (the bf16 products relu(q.k) x w, left in
+# registers as its A operand, against a [H, 8] tile of ones) instead of fp32 adds and shuffles:
+# 5% faster at batch 32, 256K on an H200 (BENCHMARKS.md).  Its fp32 sum is in another order than
+# the adds', as any order is (the ref's bf16 matmul fixes none); one warpgroup (_THREADS 128) and
+# H a multiple of 16 only, else the adds.
+_HEAD_SUM_MMA = 1
 
 # Decode of one key's scale block (16 code bytes, one UE8M0 byte) into 32 bf16 operand values with
 # the scale folded in, on the ALU (no table, no shared memory).  Code nibble j of a 32-bit word
@@ -528,10 +534,31 @@ __device__ __forceinline__ unsigned dsv41c_mul_bf16x2(unsigned a, unsigned b) {
   return d;
 }
 
-// Nibbles i and i + 4 of w (i = 0..3) as a bf16x2 of E2M1 x 2^-126 (bit moves only).
-__device__ __forceinline__ unsigned dsv41c_e2m1_bits(unsigned w, int i) {
-  unsigned mag = (i < 2 ? w << (6 - 4 * i) : w >> (4 * i - 6)) & 0x01C001C0u;
-  return mag | ((w << (12 - 4 * i)) & 0x80008000u);
+// Bits of b where the immediate mask m is set, of a elsewhere: one LOP3 (the compiler splits the
+// C form into two, each taking one of m and ~m).
+template <unsigned m>
+__device__ __forceinline__ unsigned dsv41c_bitselect(unsigned a, unsigned b) {
+  unsigned d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xD8;" : "=r"(d) : "r"(a), "r"(b), "n"(m));
+  return d;
+}
+
+// Nibbles i and i + 4 of w (i = 0..3) as the bf16x2 x[i] of E2M1 x 2^-126 (bit moves only).  The
+// sign of a nibble lies 6 bits further from its bf16 place than the magnitude, so a copy of each
+// sign 6 bits above it (over bit 1 of a nibble the pair does not read) lets one shift and one mask
+// move both: 12 integer ops a word instead of 15.  Nibbles 6 and 7 would need copies past bit 31,
+// so pairs 2 and 3 shift right through a funnel with `hi` = w >> 26 above.  (Checked against the
+// two-shift form on all 2^32 words.)
+__device__ __forceinline__ void dsv41c_e2m1_words(unsigned w, unsigned* x) {
+  const unsigned m = 0x81C081C0u;  // per half: sign (bit 15), magnitude (bits 8..6)
+  unsigned s6 = w << 6;
+  unsigned v01 = dsv41c_bitselect<0x22002200u>(w, s6);  // signs of nibbles 0, 1, 4, 5 at 9, 13, 25, 29
+  unsigned v23 = dsv41c_bitselect<0x00220000u>(w, s6);  // signs of nibbles 2, 3 at 17, 21
+  unsigned hi = w >> 26;                                     // signs of nibbles 6, 7 at 33, 37 of hi:v23
+  x[0] = (v01 << 6) & m;
+  x[1] = (v01 << 2) & m;
+  x[2] = __funnelshift_r(v23, hi, 2) & m;
+  x[3] = __funnelshift_r(v23, hi, 6) & m;
 }
 
 // 16 code bytes at `codes` (16-byte aligned registers) and scale byte `s` -> 32 bf16 at `out`.
@@ -543,24 +570,21 @@ __device__ __forceinline__ void dsv41c_decode_block(const void* codes, unsigned 
     f |= f << 16;
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-      uint4 o;
-      o.x = dsv41c_mul_bf16x2(dsv41c_e2m1_bits(words[q], 0), f);
-      o.y = dsv41c_mul_bf16x2(dsv41c_e2m1_bits(words[q], 1), f);
-      o.z = dsv41c_mul_bf16x2(dsv41c_e2m1_bits(words[q], 2), f);
-      o.w = dsv41c_mul_bf16x2(dsv41c_e2m1_bits(words[q], 3), f);
-      reinterpret_cast<uint4*>(out)[q] = o;
+      unsigned x[4];
+      dsv41c_e2m1_words(words[q], x);
+      reinterpret_cast<uint4*>(out)[q] = make_uint4(dsv41c_mul_bf16x2(x[0], f), dsv41c_mul_bf16x2(x[1], f),
+                                                    dsv41c_mul_bf16x2(x[2], f), dsv41c_mul_bf16x2(x[3], f));
     }
   } else {
     unsigned sb = s == 0u ? 0x0040u : (s == 255u ? 0x7FC0u : s << 7);  // bf16 bits of 2^(s-127)
     unsigned scale2 = sb | (sb << 16);
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-      uint4 o;
-      o.x = dsv41c_mul_bf16x2(dsv41c_mul_bf16x2(dsv41c_e2m1_bits(words[q], 0), 0x7E807E80u), scale2);
-      o.y = dsv41c_mul_bf16x2(dsv41c_mul_bf16x2(dsv41c_e2m1_bits(words[q], 1), 0x7E807E80u), scale2);
-      o.z = dsv41c_mul_bf16x2(dsv41c_mul_bf16x2(dsv41c_e2m1_bits(words[q], 2), 0x7E807E80u), scale2);
-      o.w = dsv41c_mul_bf16x2(dsv41c_mul_bf16x2(dsv41c_e2m1_bits(words[q], 3), 0x7E807E80u), scale2);
-      reinterpret_cast<uint4*>(out)[q] = o;
+      unsigned x[4];
+      dsv41c_e2m1_words(words[q], x);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) x[i] = dsv41c_mul_bf16x2(dsv41c_mul_bf16x2(x[i], 0x7E807E80u), scale2);
+      reinterpret_cast<uint4*>(out)[q] = make_uint4(x[0], x[1], x[2], x[3]);
     }
   }
 }
@@ -633,6 +657,9 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
     units = _BN * nsb // _THREADS  # (key, scale block) units per thread and tile
     warps = _THREADS // 32
     tile_blocks = _BN // BLOCK
+    # the wgmma's k steps are 16 heads; with two warpgroups TileLang lays the first GEMM's
+    # accumulator and the second's register operand out on different threads (it refuses the build)
+    mma_sum = bool(_HEAD_SUM_MMA) and H % 16 == 0 and _THREADS == 128
     neg_inf = T.float32(-T.infinity("float32"))
 
     def row_key(LS, bx, tpc, it, r, nc):
@@ -682,6 +709,10 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
             cnt = T.alloc_shared((1,), "int32")
             acc = T.alloc_fragment((_BN, H), "float32")
             rsum = T.alloc_fragment((_BN,), "float32")
+            if mma_sum:
+                prod = T.alloc_fragment((_BN, H), "bfloat16")
+                ones = T.alloc_shared((8, H), "bfloat16")
+                hsum = T.alloc_fragment((_BN, 8), "float32")
             cl = T.alloc_local((units, 16), "uint8")
             sl = T.alloc_local((units,), "uint8")
             al = T.alloc_local((32,), "bfloat16")
@@ -694,6 +725,9 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                 Qs[h, c] = Q[b, s, h, _qperm(c)]
             for h in T.Parallel(H):
                 Ws[h] = W[b, s, h]
+            if mma_sum:
+                for j, h in T.Parallel(8, H):
+                    ones[j, h] = T.bfloat16(1)
             lim = T.min(N, VL[s]) if visible else N
             nc = 0
             walk = tpc
@@ -743,13 +777,24 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                 T.sync_threads()  # As is written
                 if live != 0:
                     T.gemm(As, Qs, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                    for i, h in T.Parallel(_BN, H):
-                        # on bf16 pairs: the product of two bf16 is exact in fp32, so rounding it
-                        # once to bf16 is the ref's bf16(relu(bf16(s)) * w)
-                        acc[i, h] = T.Cast("float32", T.max(T.Cast("bfloat16", acc[i, h]), T.bfloat16(0)) * Ws[h])
-                    T.reduce_sum(acc, rsum, dim=1)
-                    for i in T.Parallel(_BN):
-                        Rs[i] = rsum[i]
+                    if mma_sum:
+                        # bf16 products (rounded once: the ref's bf16(relu(bf16(s)) * w)), summed
+                        # over heads by the tensor cores in fp32 (each product x 1 exact)
+                        for i, h in T.Parallel(_BN, H):
+                            prod[i, h] = T.max(T.Cast("bfloat16", acc[i, h]), T.bfloat16(0)) * Ws[h]
+                        T.gemm(prod, ones, hsum, transpose_B=True, clear_accum=True,
+                               policy=T.GemmWarpPolicy.FullRow)
+                        for i, j in T.Parallel(_BN, 8):
+                            if j == 0:  # the 8 columns are equal
+                                Rs[i] = hsum[i, j]
+                    else:
+                        for i, h in T.Parallel(_BN, H):
+                            # on bf16 pairs: the product of two bf16 is exact in fp32, so rounding it
+                            # once to bf16 is the ref's bf16(relu(bf16(s)) * w)
+                            acc[i, h] = T.Cast("float32", T.max(T.Cast("bfloat16", acc[i, h]), T.bfloat16(0)) * Ws[h])
+                        T.reduce_sum(acc, rsum, dim=1)
+                        for i in T.Parallel(_BN):
+                            Rs[i] = rsum[i]
                 T.sync_threads()
                 # (a skipped tile reads stale sums here; every one of its scores is masked below)
                 sv = T.Cast("float32", T.Cast("bfloat16", Rs[tx]))
