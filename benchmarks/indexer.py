@@ -3,7 +3,7 @@ plus the top-k and the candidate funnel, against eager torch, `torch.compile` of
 reference, and the bytes-moved bound.
 
     python3 benchmarks/indexer.py [--batch 1 32] [--context 8192 65536 262144] [--set NAME=VALUE ...]
-                                  [--json OUT.json] [--select-phases]
+                                  [--json OUT.json] [--select-phases] [--key-spread BITS]
 
 --select-phases times only the top-k, launch by launch (see `select_phases`).
 --set overrides an integer constant of tilelang_kernels/indexer.py before the first build (a variant
@@ -51,11 +51,14 @@ from quant import (  # benchmarks/ is the script's path: the codec benchmark's t
 H, D = 32, 128
 
 
-def make_caches(b, n, copies):
-    """`copies` packed key caches [b, n] (codes, scales) and one query's q, w per sequence."""
+def make_caches(b, n, copies, spread=4.0):
+    """`copies` packed key caches [b, n] (codes, scales) and one query's q, w per sequence.  Each key
+    is N(0, 1) times 2^U(0, spread): at the default 4, most warps meet a scale byte above 128 and
+    the decode takes its two-multiply path; at 0 (unit-RMS keys, as a k_norm with unit weight
+    gives) it takes the one-multiply path (`_DECODE_PRELUDE`)."""
     caches = []
     for _ in range(copies):
-        keys = (torch.randn(b, n, D, device="cuda") * torch.rand(b, n, 1, device="cuda").mul(4).exp2()).bfloat16()
+        keys = (torch.randn(b, n, D, device="cuda") * torch.rand(b, n, 1, device="cuda").mul(spread).exp2()).bfloat16()
         caches.append(Q.mxfp4_quant_ref(keys))
     q = Q.fp4_ue8m0_fake_quant(torch.randn(b, 1, H, D, device="cuda").bfloat16(), 32)
     w = (torch.randn(b, 1, H, device="cuda") * (H * D) ** -0.5).bfloat16()
@@ -180,6 +183,8 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                     help="override an integer constant of tilelang_kernels/indexer.py (a kernel variant)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--key-spread", type=float, default=4.0, metavar="BITS",
+                    help="keys are N(0, 1) x 2^U(0, BITS) (default 4; 0: unit-RMS keys)")
     ap.add_argument("--select-phases", action="store_true",
                     help="only the top-k: the device time of each of its launches (no scoring, no table)")
     a = ap.parse_args()
@@ -196,7 +201,7 @@ def main() -> None:
     for b in a.batch:
         for n in a.context:
             key_bytes = b * n * 68
-            caches, q, w = make_caches(b, n, max(1, min(16, (200 << 20) // key_bytes)))
+            caches, q, w = make_caches(b, n, max(1, min(16, (200 << 20) // key_bytes)), a.key_spread)
             vl = torch.tensor([n], dtype=torch.int32, device="cuda")
             k, kb = min(a.topk, n), a.blocks
             nb = -(-n // K.BLOCK)
@@ -240,6 +245,7 @@ def main() -> None:
             torch.cuda.empty_cache()
     print(f"\ndevice: {torch.cuda.get_device_name()}, copy bandwidth {copy_gbs:.0f} GB/s (4 GiB device-to-device, "
           f"read + write); H_I = {H} x d_I = {D}, top-k {a.topk}, {a.blocks} candidate blocks of {K.BLOCK}"
+          f"; keys N(0, 1) x 2^U(0, {a.key_spread:g})"
           f"{'; overrides ' + ', '.join(f'{k}={v}' for k, v in overrides.items()) if overrides else ''}\n")
     print("| variant | B | context | MB moved | TileLang us | % bound | in a CUDA graph us | % bound | eager us | x eager | compile us "
           "| compile % bound | x compile | top-k exact |")
@@ -253,7 +259,8 @@ def main() -> None:
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"copy_gb_s": copy_gbs, "device": torch.cuda.get_device_name(), "heads": H, "head_dim": D,
-                       "topk": a.topk, "candidate_blocks": a.blocks, "overrides": overrides, "rows": rows}, fh,
+                       "topk": a.topk, "candidate_blocks": a.blocks, "key_spread": a.key_spread, "overrides": overrides,
+                       "rows": rows}, fh,
                       indent=2)
 
 
