@@ -439,14 +439,31 @@ def test_cuda_scores_other_tiles(bn, ctas, monkeypatch):
 
 def test_cuda_scores_lower_for_sm90():
     """Without a GPU: the decode build lowers with the warp vote for the one-multiply decode, the
-    epilogue's relu and weight product on bf16 pairs, and launch bounds for `_CTAS_PER_SM` CTAs."""
+    epilogue's relu and weight product on bf16 pairs summed over heads by a second wgmma (register
+    A operand), and launch bounds for `_CTAS_PER_SM` CTAs."""
     src = _sm90_scores_source()
     assert "dsv41c_decode_block" in src and "__all_sync(0xffffffffu, s <= 128u)" in src
     assert "tl::mul2(" in src and "tl::max2(" in src
+    assert K._HEAD_SUM_MMA and "tl::wgmma_rs<" in src and "AllReduce" not in src
     assert f"__launch_bounds__({K._THREADS}, {K._CTAS_PER_SM})" in src  # the tile plan's CTAs per SM
     # the kernel's own barriers, three per tile and no others: the vote for live keys, As written,
     # Rs written (TileLang's barrier pass is off for it)
     assert src.count("__syncthreads();") == 2 and src.count("__syncthreads_or(") == 1
+
+
+def test_cuda_scores_head_sum_by_adds_with_two_warpgroups(monkeypatch):
+    """Without a GPU: 256-key tiles on two warpgroups, where TileLang cannot lay the second
+    wgmma's register operand out like the first's accumulator, sum over heads by adds and lane
+    shuffles instead (and so does `_HEAD_SUM_MMA=0`)."""
+    for name, value in (("_BN", 256), ("_THREADS", 256), ("_CTAS_PER_SM", 2)):
+        monkeypatch.setattr(K, name, value)
+    src = _sm90_scores_source()
+    assert "tl::wgmma_rs<" not in src and "AllReduce" in src
+    monkeypatch.setattr(K, "_HEAD_SUM_MMA", 0)
+    monkeypatch.setattr(K, "_BN", 128)
+    monkeypatch.setattr(K, "_THREADS", 128)
+    src = _sm90_scores_source()
+    assert "tl::wgmma_rs<" not in src and "AllReduce" in src
 
 
 def test_cuda_scores_gather_lowers_for_sm90():
