@@ -345,6 +345,21 @@ def test_cuda_decode_formula_cpu():
     assert not nan[:129].any() and torch.equal(got_one[:129], want[:129])  # s = 0 .. 128
 
 
+def test_register_fragment_column_order():
+    """`_qperm_regs` is a permutation of the 128 dims, and the 32 columns a thread holds in the wgmma
+    m64k16 A fragment (2 lane + {0, 1} + 8 f + 16 ki for its lane % 4) are the 32 dims of one
+    scale block, in the order `dsv41c_decode_frag` places its decoded words (word 2 ki + f, half e)."""
+    perm = [K._qperm_regs(c) for c in range(128)]
+    assert sorted(perm) == list(range(128))
+    for lane in range(4):
+        cols = [16 * ki + 8 * f + 2 * lane + e for ki in range(8) for f in range(2) for e in range(2)]
+        dims = [K._qperm_regs(c) for c in cols]
+        assert sorted(dims) == list(range(32 * lane, 32 * lane + 32))
+        # word r = 2 ki + f of the block's decode holds dims 8 (r // 4) + r % 4 and that + 4
+        words = [[dims[2 * r], dims[2 * r + 1]] for r in range(16)]
+        assert words == [[32 * lane + 8 * (r // 4) + r % 4, 32 * lane + 8 * (r // 4) + r % 4 + 4] for r in range(16)]
+
+
 def ulp_close(got, ref, seed):
     """Same -inf pattern; finite scores within one bf16 rounding step of the largest, and
     nearly all bit-equal (the tensor cores and torch sum in other orders)."""
@@ -446,9 +461,11 @@ def test_cuda_scores_lower_for_sm90():
     assert "tl::mul2(" in src and "tl::max2(" in src
     assert K._HEAD_SUM_MMA and "tl::wgmma_rs<" in src and "AllReduce" not in src
     assert f"__launch_bounds__({K._THREADS}, {K._CTAS_PER_SM})" in src  # the tile plan's CTAs per SM
-    # the kernel's own barriers, three per tile and no others: the vote for live keys, As written,
-    # Rs written (TileLang's barrier pass is off for it)
-    assert src.count("__syncthreads();") == 2 and src.count("__syncthreads_or(") == 1
+    # the keys decoded straight into the first wgmma's register A fragment, in two m64 passes
+    assert K._KEYS_IN_REGS and src.count("dsv41c_decode_frag(") == 2 and "dsv41c_decode_block(" not in src.split("main_kernel")[-1]
+    # the kernel's own barriers, two per tile and no others: the vote for live keys (the previous
+    # tile's readers of Rs are done) and Rs written (TileLang's barrier pass is off for it)
+    assert src.count("__syncthreads();") == 1 and src.count("__syncthreads_or(") == 1
 
 
 def test_cuda_scores_head_sum_by_adds_with_two_warpgroups(monkeypatch):
@@ -459,9 +476,13 @@ def test_cuda_scores_head_sum_by_adds_with_two_warpgroups(monkeypatch):
         monkeypatch.setattr(K, name, value)
     src = _sm90_scores_source()
     assert "tl::wgmma_rs<" not in src and "AllReduce" in src
+    assert "dsv41c_decode_block(" in src.split("main_kernel")[-1]  # and the shared key tile
     monkeypatch.setattr(K, "_HEAD_SUM_MMA", 0)
     monkeypatch.setattr(K, "_BN", 128)
     monkeypatch.setattr(K, "_THREADS", 128)
+    src = _sm90_scores_source()
+    assert src.count("tl::wgmma_rs<") == 1 and "AllReduce" in src  # the keys' GEMM only
+    monkeypatch.setattr(K, "_KEYS_IN_REGS", 0)
     src = _sm90_scores_source()
     assert "tl::wgmma_rs<" not in src and "AllReduce" in src
 
@@ -471,7 +492,7 @@ def test_cuda_scores_gather_lowers_for_sm90():
     ballot, one shared atomic per warp) behind two more barriers, then walks the gathered tiles."""
     src = _sm90_scores_source(cand=True)
     assert "__ballot_sync" in src and src.count("AtomicAddRet(") == 1
-    assert src.count("__syncthreads();") == 4 and src.count("__syncthreads_or(") == 1
+    assert src.count("__syncthreads();") == 3 and src.count("__syncthreads_or(") == 1
     assert "it < walk" in src  # the tile loop's trip count is the compacted count
     # the blocks not kept get their -inf scores by one 16-byte store a block where aligned
     assert src.count("dsv41c_fill_neg_inf8(") == 2 and "*reinterpret_cast<uint4*>(p) = make_uint4(0xFF80FF80u" in src

@@ -513,6 +513,11 @@ _MAX_TPC = 16  # key tiles a scoring CTA walks at most (`cuda_tiles_per_cta`)
 # the adds', as any order is (the ref's bf16 matmul fixes none); one warpgroup (_THREADS 128) and
 # H a multiple of 16 only, else the adds.
 _HEAD_SUM_MMA = 1
+# CUDA scoring: the decoded keys stay in registers as the GEMM's A operand (wgmma with a register
+# A fragment) instead of going through a shared [_BN, d] tile: no key tile in shared memory, no
+# barrier before the GEMM.  d 128 and one warpgroup only (thread lane % 4 decodes scale block
+# lane % 4 of its four rows), else the shared tile.
+_KEYS_IN_REGS = 1
 
 # Decode of one key's scale block (16 code bytes, one UE8M0 byte) into 32 bf16 operand values with
 # the scale folded in, on the ALU (no table, no shared memory).  Code nibble j of a 32-bit word
@@ -561,32 +566,43 @@ __device__ __forceinline__ void dsv41c_e2m1_words(unsigned w, unsigned* x) {
   x[3] = __funnelshift_r(v23, hi, 6) & m;
 }
 
-// 16 code bytes at `codes` (16-byte aligned registers) and scale byte `s` -> 32 bf16 at `out`.
-__device__ __forceinline__ void dsv41c_decode_block(const void* codes, unsigned s, void* out) {
+// 16 code bytes at `codes` (16-byte aligned registers) and scale byte `s` -> the 16 bf16x2 words
+// o[4q + i] (nibbles i and i + 4 of code word q: dims 8q + i and 8q + i + 4 of the scale block).
+__device__ __forceinline__ void dsv41c_decode16(const void* codes, unsigned s, unsigned* o) {
   uint4 c = *reinterpret_cast<const uint4*>(codes);
   unsigned words[4] = {c.x, c.y, c.z, c.w};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) dsv41c_e2m1_words(words[q], o + 4 * q);
   if (__all_sync(0xffffffffu, s <= 128u)) {
     unsigned f = (s + 126u) << 7;  // bf16 bits of 2^(s-1)
     f |= f << 16;
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      unsigned x[4];
-      dsv41c_e2m1_words(words[q], x);
-      reinterpret_cast<uint4*>(out)[q] = make_uint4(dsv41c_mul_bf16x2(x[0], f), dsv41c_mul_bf16x2(x[1], f),
-                                                    dsv41c_mul_bf16x2(x[2], f), dsv41c_mul_bf16x2(x[3], f));
-    }
+    for (int r = 0; r < 16; ++r) o[r] = dsv41c_mul_bf16x2(o[r], f);
   } else {
     unsigned sb = s == 0u ? 0x0040u : (s == 255u ? 0x7FC0u : s << 7);  // bf16 bits of 2^(s-127)
     unsigned scale2 = sb | (sb << 16);
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      unsigned x[4];
-      dsv41c_e2m1_words(words[q], x);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) x[i] = dsv41c_mul_bf16x2(dsv41c_mul_bf16x2(x[i], 0x7E807E80u), scale2);
-      reinterpret_cast<uint4*>(out)[q] = make_uint4(x[0], x[1], x[2], x[3]);
-    }
+    for (int r = 0; r < 16; ++r) o[r] = dsv41c_mul_bf16x2(dsv41c_mul_bf16x2(o[r], 0x7E807E80u), scale2);
   }
+}
+
+// The same as 32 bf16 at `out` (16-byte aligned), word 4q + i at out word 4q + i.
+__device__ __forceinline__ void dsv41c_decode_block(const void* codes, unsigned s, void* out) {
+  unsigned o[16];
+  dsv41c_decode16(codes, s, o);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) reinterpret_cast<uint4*>(out)[q] = make_uint4(o[4 * q], o[4 * q + 1], o[4 * q + 2], o[4 * q + 3]);
+}
+
+// The same into a wgmma register A fragment of 64 keys x 128 dims (m64k16 per instruction), as
+// row h of the thread's two rows: word r = 4q + i is k step r / 2, column half r % 2, so it lands
+// at fragment word (r / 2) * 4 + (r % 2) * 2 + h (`_qperm_regs`).  The caller's unrolled h makes
+// every index a constant: registers, not memory.
+__device__ __forceinline__ void dsv41c_decode_frag(const void* codes, unsigned s, void* frag, int h) {
+  unsigned o[16];
+  dsv41c_decode16(codes, s, o);
+#pragma unroll
+  for (int r = 0; r < 16; ++r) reinterpret_cast<unsigned*>(frag)[(r / 2) * 4 + (r % 2) * 2 + h] = o[r];
 }
 
 // -inf into the scores p[0 .. min(left, 8)): one 16-byte store where all 8 are in the row and p is
@@ -607,6 +623,15 @@ __device__ __forceinline__ void dsv41c_fill_neg_inf8(void* p, int left) {
 def _qperm(c):
     """The key dim whose decoded value lands in operand column c (see _DECODE_PRELUDE)."""
     return c // 8 * 8 + c % 8 // 2 + c % 2 * 4
+
+
+def _qperm_regs(c):
+    """The same for the register A fragment (`dsv41c_decode_frag`, d = 128): column c = 16 ki +
+    8 f + 2 lane + e of a wgmma m64k16 fragment holds, for the thread of lane % 4 = `lane`, word
+    r = 2 ki + f of its scale block's decode, half e: dim 32 lane + 8 (r // 4) + r % 4 + 4 e."""
+    ki, f, lane, e = c // 16, c % 16 // 8, c % 8 // 2, c % 2
+    r = 2 * ki + f
+    return 32 * lane + 8 * (r // 4) + r % 4 + 4 * e
 
 
 def cuda_tiles_per_cta(n: int, rows: int, slots: int | None = None) -> int:
@@ -660,6 +685,12 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
     # the wgmma's k steps are 16 heads; with two warpgroups TileLang lays the first GEMM's
     # accumulator and the second's register operand out on different threads (it refuses the build)
     mma_sum = bool(_HEAD_SUM_MMA) and H % 16 == 0 and _THREADS == 128
+    regs = bool(_KEYS_IN_REGS) and d == 128 and _BN == _THREADS == 128
+    qperm = _qperm_regs if regs else _qperm
+    # with the keys in registers, a tile is two passes of one m64 GEMM (half the fragment registers
+    # live at a time), each over the units 2 mt, 2 mt + 1 (the thread's rows of m tile mt)
+    gm = 64 if regs else _BN
+    passes = _BN // gm
     neg_inf = T.float32(-T.infinity("float32"))
 
     def row_key(LS, bx, tpc, it, r, nc):
@@ -672,14 +703,19 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
         return (bx * tpc + it) * _BN + r, T.bool(True)
 
     def unit_key(tx, u):
-        """(key row within the tile, scale block) of thread tx's unit u."""
+        """(key row within the tile, scale block) of thread tx's unit u; with the keys in registers,
+        unit u = 2 mt + h is row h of the thread's pair in m tile mt, scale block lane % 4 (the rows
+        and columns of its wgmma A fragment)."""
         lane = tx % 32
+        if regs:
+            return u // 2 * 64 + tx // 32 * 16 + u % 2 * 8 + lane // 4, lane % 4
         return (u * warps + tx // 32) * rows_per_warp + lane % rows_per_warp, lane // rows_per_warp
 
     @T.macro
-    def load(CODES, SCALES, LS, cl, sl, b, bx, tpc, it, nc, lim, tx):
-        """The units' code bytes (16-byte loads) and scale bytes of the CTA's tile it."""
-        for u in T.unroll(units):
+    def load(CODES, SCALES, LS, cl, sl, b, bx, tpc, it, nc, lim, tx, mt):
+        """The code bytes (16-byte loads) and scale bytes of the CTA's tile it: the units of pass mt."""
+        for uu in T.unroll(units // passes):
+            u = mt * (units // passes) + uu
             r, j = unit_key(tx, u)
             t, listed = row_key(LS, bx, tpc, it, r, nc)
             if T.And(listed, t < lim):
@@ -702,17 +738,23 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
             T.annotate_min_blocks_per_sm(_CTAS_PER_SM)  # the plan's CTAs per SM, in the register budget
             tx = T.get_thread_binding()
             Qs = T.alloc_shared((H, d), "bfloat16")
-            As = T.alloc_shared((_BN, d), "bfloat16")
+            if regs:  # the wgmma m64k16 register A layout, which dsv41c_decode_frag fills by hand
+                As = T.alloc_fragment((gm, d), "bfloat16")
+                T.annotate_layout({As: T.Fragment((gm, d), forward_thread_fn=lambda i, c: i // 16 * 32 + i % 8 * 4 + c % 8 // 2,
+                                                  forward_index_fn=lambda i, c: c // 16 * 8 + c % 16 // 8 * 4 + i % 16 // 8 * 2
+                                                  + c % 2)})
+            else:
+                As = T.alloc_shared((_BN, d), "bfloat16")
             Ws = T.alloc_shared((H,), "bfloat16")
             Rs = T.alloc_shared((_BN,), "float32")
             LS = T.alloc_shared((_MAX_TPC * tile_blocks if cand else 1,), "uint16")  # kept blocks, range offsets
             cnt = T.alloc_shared((1,), "int32")
-            acc = T.alloc_fragment((_BN, H), "float32")
-            rsum = T.alloc_fragment((_BN,), "float32")
+            acc = T.alloc_fragment((gm, H), "float32")
+            rsum = T.alloc_fragment((gm,), "float32")
             if mma_sum:
-                prod = T.alloc_fragment((_BN, H), "bfloat16")
+                prod = T.alloc_fragment((gm, H), "bfloat16")
                 ones = T.alloc_shared((8, H), "bfloat16")
-                hsum = T.alloc_fragment((_BN, 8), "float32")
+                hsum = T.alloc_fragment((gm, 8), "float32")
             cl = T.alloc_local((units, 16), "uint8")
             sl = T.alloc_local((units,), "uint8")
             al = T.alloc_local((32,), "bfloat16")
@@ -722,7 +764,7 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
             walk = T.alloc_var("int32")
             base = T.alloc_var("int32")
             for h, c in T.Parallel(H, d):
-                Qs[h, c] = Q[b, s, h, _qperm(c)]
+                Qs[h, c] = Q[b, s, h, qperm(c)]
             for h in T.Parallel(H):
                 Ws[h] = W[b, s, h]
             if mma_sum:
@@ -759,42 +801,50 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                 T.sync_threads()
                 nc = cnt[0]
                 walk = T.ceildiv(nc, tile_blocks)
-            load(CODES, SCALES, LS, cl, sl, b, bx, tpc, 0, nc, lim, tx)
+            for mt in T.unroll(passes):
+                load(CODES, SCALES, LS, cl, sl, b, bx, tpc, 0, nc, lim, tx, mt)
             for it in T.serial(walk):
                 t, listed = row_key(LS, bx, tpc, it, tx, nc)  # this thread's key in the epilogue
                 # (a barrier: the previous tile's readers of As and Rs are done)
                 live = T.call_extern("int32", "__syncthreads_or", T.Cast("int32", T.And(listed, t < lim)))
-                if live != 0:
-                    for u in T.unroll(units):
-                        r, j = unit_key(tx, u)
-                        T.call_extern("handle", "dsv41c_decode_block", T.address_of(cl[u, 0]),
-                                      T.Cast("uint32", sl[u]), T.address_of(al[0]))
-                        for q in T.unroll(4):
-                            for e in T.vectorized(8):
-                                As[r, j * 32 + q * 8 + e] = al[q * 8 + e]
-                if it + 1 < walk:  # the next tile's bytes travel during this tile's GEMM
-                    load(CODES, SCALES, LS, cl, sl, b, bx, tpc, it + 1, nc, lim, tx)
-                T.sync_threads()  # As is written
-                if live != 0:
-                    T.gemm(As, Qs, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                    if mma_sum:
-                        # bf16 products (rounded once: the ref's bf16(relu(bf16(s)) * w)), summed
-                        # over heads by the tensor cores in fp32 (each product x 1 exact)
-                        for i, h in T.Parallel(_BN, H):
-                            prod[i, h] = T.max(T.Cast("bfloat16", acc[i, h]), T.bfloat16(0)) * Ws[h]
-                        T.gemm(prod, ones, hsum, transpose_B=True, clear_accum=True,
-                               policy=T.GemmWarpPolicy.FullRow)
-                        for i, j in T.Parallel(_BN, 8):
-                            if j == 0:  # the 8 columns are equal
-                                Rs[i] = hsum[i, j]
-                    else:
-                        for i, h in T.Parallel(_BN, H):
-                            # on bf16 pairs: the product of two bf16 is exact in fp32, so rounding it
-                            # once to bf16 is the ref's bf16(relu(bf16(s)) * w)
-                            acc[i, h] = T.Cast("float32", T.max(T.Cast("bfloat16", acc[i, h]), T.bfloat16(0)) * Ws[h])
-                        T.reduce_sum(acc, rsum, dim=1)
-                        for i in T.Parallel(_BN):
-                            Rs[i] = rsum[i]
+                for mt in T.unroll(passes):
+                    if live != 0:
+                        if regs:
+                            for h2 in T.unroll(2):
+                                T.call_extern("handle", "dsv41c_decode_frag", T.address_of(cl[2 * mt + h2, 0]),
+                                              T.Cast("uint32", sl[2 * mt + h2]), T.address_of(As[0, 0]), h2)
+                        else:
+                            for u in T.unroll(units):
+                                r, j = unit_key(tx, u)
+                                T.call_extern("handle", "dsv41c_decode_block", T.address_of(cl[u, 0]),
+                                              T.Cast("uint32", sl[u]), T.address_of(al[0]))
+                                for q in T.unroll(4):
+                                    for e in T.vectorized(8):
+                                        As[r, j * 32 + q * 8 + e] = al[q * 8 + e]
+                    if it + 1 < walk:  # the next tile's bytes travel during this tile's GEMM
+                        load(CODES, SCALES, LS, cl, sl, b, bx, tpc, it + 1, nc, lim, tx, mt)
+                    if not regs:
+                        T.sync_threads()  # As is written
+                    if live != 0:
+                        T.gemm(As, Qs, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                        if mma_sum:
+                            # bf16 products (rounded once: the ref's bf16(relu(bf16(s)) * w)), summed
+                            # over heads by the tensor cores in fp32 (each product x 1 exact)
+                            for i, h in T.Parallel(gm, H):
+                                prod[i, h] = T.max(T.Cast("bfloat16", acc[i, h]), T.bfloat16(0)) * Ws[h]
+                            T.gemm(prod, ones, hsum, transpose_B=True, clear_accum=True,
+                                   policy=T.GemmWarpPolicy.FullRow)
+                            for i, j in T.Parallel(gm, 8):
+                                if j == 0:  # the 8 columns are equal
+                                    Rs[mt * gm + i] = hsum[i, j]
+                        else:
+                            for i, h in T.Parallel(gm, H):
+                                # on bf16 pairs: the product of two bf16 is exact in fp32, so rounding it
+                                # once to bf16 is the ref's bf16(relu(bf16(s)) * w)
+                                acc[i, h] = T.Cast("float32", T.max(T.Cast("bfloat16", acc[i, h]), T.bfloat16(0)) * Ws[h])
+                            T.reduce_sum(acc, rsum, dim=1)
+                            for i in T.Parallel(gm):
+                                Rs[mt * gm + i] = rsum[i]
                 T.sync_threads()
                 # (a skipped tile reads stale sums here; every one of its scores is masked below)
                 sv = T.Cast("float32", T.Cast("bfloat16", Rs[tx]))
