@@ -501,10 +501,11 @@ def candidate_blocks(block_max, visible_len, *, topk_blocks):
 _BN = 128  # CUDA scoring: keys per tile (the GEMM's M), one thread per key in the epilogue
 _THREADS = 128  # one warpgroup multiplying the tile's keys (= _BN)
 # scoring CTAs resident per SM: the wave `cuda_tiles_per_cta` plans for, and the launch bounds' minimum
-# (the register budget).  5 at the defaults (41 KB of shared memory and 79 registers x 128 threads a
-# CTA): the CTAs' phases (loads, decode, GEMM, epilogue, each ended by a barrier) overlap across
-# more independent CTAs.  Timed on an H200 against 2 CTAs of 256 keys (two warpgroups, 87
-# registers) and 3 of 256 (71 registers): BENCHMARKS.md, indexer section.
+# (the register budget).  5 at the defaults (88 registers x 128 threads a CTA, about 9 KB of shared
+# memory with the keys in registers): the CTAs' phases (loads, decode, GEMM, epilogue) overlap
+# across more independent CTAs.  Timed on an H200 against 2 CTAs of 256 keys (two warpgroups, 87
+# registers) and 3 of 256 (71 registers), and with the keys in registers against 6 (80 registers,
+# small spills: slower): BENCHMARKS.md, indexer section.
 _CTAS_PER_SM = 5
 _MAX_TPC = 16  # key tiles a scoring CTA walks at most (`cuda_tiles_per_cta`)
 # CUDA scoring: the sum over heads as a second wgmma (the bf16 products relu(q.k) x w, left in
@@ -516,7 +517,8 @@ _HEAD_SUM_MMA = 1
 # CUDA scoring: the decoded keys stay in registers as the GEMM's A operand (wgmma with a register
 # A fragment) instead of going through a shared [_BN, d] tile: no key tile in shared memory, no
 # barrier before the GEMM.  d 128 and one warpgroup only (thread lane % 4 decodes scale block
-# lane % 4 of its four rows), else the shared tile.
+# lane % 4 of its four rows), else the shared tile.  1.10x at batch 32, 256K on an H200
+# (BENCHMARKS.md).
 _KEYS_IN_REGS = 1
 
 # Decode of one key's scale block (16 code bytes, one UE8M0 byte) into 32 bf16 operand values with
@@ -657,20 +659,26 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
     tiles, each gathering _BN / 8 listed blocks.  So a Reindex layer reads and decodes only its
     candidate blocks' keys; a range with every block kept costs what it does without candidates.
     Per tile:
-    - key bytes: thread t owns d/32 (key, scale block) units; the 32 / (d/32) lanes of a warp that
-      share a block take consecutive keys, so one warp-wide 16-byte load reads 512 contiguous
-      bytes (at d = 128: one candidate block).  The next tile's units are loaded into registers
-      before this tile's GEMM, so the loads travel during the GEMM and the epilogue.  Keys whose
-      score is -inf anyway (past the visible length) are not read (zeros instead); a tile without
-      any needed key skips the decode and the GEMM (the flag is CTA-uniform).
-    - decode (`_DECODE_PRELUDE`): the E2M1 codes times the UE8M0 scale, exact, into one shared
-      [_BN, d] bf16 operand tile (16-byte stores; the 8 lanes of a quarter warp write 8 different
-      rows of the 128-byte swizzle: no bank conflicts).
-    - one GEMM [_BN keys x d] x [d x H] (wgmma, fp32 accumulation, each warpgroup 128 keys).
+    - key bytes: thread t owns d/32 (key, scale block) units, so that one warp-wide 16-byte load
+      reads 512 contiguous bytes (at d = 128: 8 keys, one candidate block).  With the keys in
+      registers (`_KEYS_IN_REGS`, d = 128, one warpgroup) the units are the rows of the thread's
+      wgmma A fragment: rows 64 mt + 16 warp + 8 h + lane / 4, scale block lane % 4.  The next
+      tile's units are loaded into registers before this tile's GEMM, so the loads travel during
+      the GEMM and the epilogue.  Keys whose score is -inf anyway (past the visible length) are
+      not read (zeros instead); a tile without any needed key skips the decode and the GEMM (the
+      flag is CTA-uniform).
+    - decode (`_DECODE_PRELUDE`): the E2M1 codes times the UE8M0 scale, exact.  With the keys in
+      registers, straight into the register A fragment of an m64 GEMM (`dsv41c_decode_frag`; the
+      tile is two passes of 64 keys, so half the fragment is live at a time), the query's columns
+      permuted to match (`_qperm_regs`).  Otherwise into one shared [_BN, d] bf16 operand tile
+      (16-byte stores; the 8 lanes of a quarter warp write 8 different rows of the 128-byte
+      swizzle: no bank conflicts), behind a barrier.
+    - the GEMM [keys x d] x [d x H] (wgmma, fp32 accumulation).
     - epilogue on the accumulator: round to bf16, relu, times w, round to bf16 (§6.5(d)); the sum
-      over the H heads (fp32: each thread its own columns, then across the 4 lanes of a row) is
-      rounded once.  One thread per key then applies the visibility mask, stores the score, and
-      takes the block max over 8 keys (8 consecutive rows: one block) by three xor shuffles.
+      over the H heads, in fp32, rounded once: a second wgmma of those products (in registers)
+      against ones (`_HEAD_SUM_MMA`), or each thread's own columns, then across the 4 lanes of a
+      row.  One thread per key then applies the visibility mask, stores the score, and takes the
+      block max over 8 keys (8 consecutive rows: one block) by three xor shuffles.
     """
     assert _BN == _THREADS, "one thread per key of a tile in the epilogue"
     if H % 8 or H > 256 or d not in (32, 64, 128, 256):
