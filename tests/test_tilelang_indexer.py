@@ -487,6 +487,16 @@ def test_cuda_scores_head_sum_by_adds_with_two_warpgroups(monkeypatch):
     assert "tl::wgmma_rs<" not in src and "AllReduce" in src
 
 
+def test_cuda_scores_unguarded_build_lowers(monkeypatch):
+    """Without a GPU: `_UNGUARDED` drops TileLang's own bounds guards (a second test of each key
+    row against the cache rows NC) from the scoring's loads; the kernel's guards (t < lim) stay."""
+    assert "< NC)" in _sm90_scores_source()
+    monkeypatch.setattr(K, "_UNGUARDED", 1)
+    for cand in (False, True):
+        src = _sm90_scores_source(cand).split("main_kernel")[-1]
+        assert "< NC)" not in src and "< lim)" in src
+
+
 def test_cuda_scores_gather_lowers_for_sm90():
     """Without a GPU: with candidate blocks each CTA compacts its range's kept blocks (a warp
     ballot, one shared atomic per warp) behind two more barriers, then walks the gathered tiles."""

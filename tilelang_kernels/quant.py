@@ -560,6 +560,9 @@ def build(fmt: str, direction: str, dtype: str, n: int, target: str):
 
 
 NO_SYNC_ATTR = "dsv41c.no_thread_storage_sync"  # prim_func attr: TileLang inserts no barriers of its own
+# prim_func attr: TileLang adds no bounds guards to the CUDA build's global accesses (the kernel
+# guards every one itself, so TileLang's would be a second test and its address arithmetic)
+NO_GUARD_ATTR = "dsv41c.no_safe_memory_access"
 
 
 def compile_for(fn, target: str):
@@ -581,6 +584,8 @@ def cuda_pass_configs(fn) -> dict:
     configs = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: False}
     if fn.attrs is not None and NO_SYNC_ATTR in fn.attrs:  # the kernel places all its barriers itself
         configs[tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC] = True
+    if fn.attrs is not None and NO_GUARD_ATTR in fn.attrs:  # the kernel guards all its accesses itself
+        configs[tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS] = True
     return configs
 
 
