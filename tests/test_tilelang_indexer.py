@@ -452,6 +452,24 @@ def test_cuda_scores_other_tiles(bn, ctas, monkeypatch):
         K.build.cache_clear()
 
 
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("sets", ({"_KEYS_IN_REGS": 0}, {"_HEAD_SUM_MMA": 0}, {"_UNGUARDED": 1}),
+                         ids=["shared_key_tile", "head_sum_by_adds", "unguarded"])
+def test_cuda_scores_variants(sets, monkeypatch):
+    """The scoring's switchable build choices other than the defaults, against the ref: decode with
+    and without candidates, and a causal prefill."""
+    for name, value in sets.items():
+        monkeypatch.setattr(K, name, value)
+    K.build.cache_clear()  # builds are cached per op key, which does not name these switches
+    try:
+        test_cuda_scores_released_dims_decode(1, 100003, 0.25)
+        test_cuda_scores_released_dims_decode(32, 8269, None)
+        test_cuda_scores_prefill(True, 1, 1030, 4)
+    finally:
+        K.build.cache_clear()
+
+
 def test_cuda_scores_lower_for_sm90():
     """Without a GPU: the decode build lowers with the warp vote for the one-multiply decode, the
     epilogue's relu and weight product on bf16 pairs summed over heads by a second wgmma (register
