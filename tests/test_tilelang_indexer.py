@@ -346,18 +346,21 @@ def test_cuda_decode_formula_cpu():
 
 
 def test_register_fragment_column_order():
-    """`_qperm_regs` is a permutation of the 128 dims, and the 32 columns a thread holds in the wgmma
-    m64k16 A fragment (2 lane + {0, 1} + 8 f + 16 ki for its lane % 4) are the 32 dims of one
-    scale block, in the order `dsv41c_decode_frag` places its decoded words (word 2 ki + f, half e)."""
-    perm = [K._qperm_regs(c) for c in range(128)]
-    assert sorted(perm) == list(range(128))
-    for lane in range(4):
-        cols = [16 * ki + 8 * f + 2 * lane + e for ki in range(8) for f in range(2) for e in range(2)]
-        dims = [K._qperm_regs(c) for c in cols]
-        assert sorted(dims) == list(range(32 * lane, 32 * lane + 32))
-        # word r = 2 ki + f of the block's decode holds dims 8 (r // 4) + r % 4 and that + 4
-        words = [[dims[2 * r], dims[2 * r + 1]] for r in range(16)]
-        assert words == [[32 * lane + 8 * (r // 4) + r % 4, 32 * lane + 8 * (r // 4) + r % 4 + 4] for r in range(16)]
+    """`_qperm_regs` is a permutation of the 128 dims, and for every thread and row of the wgmma
+    A fragment (`_frag_a`, the layout the scoring annotates), the element that `dsv41c_decode_frag`
+    writes with word r, half e of its scale block's decode (dims 8 (r // 4) + r % 4 + 4 e, replayed
+    here) sits in a column whose query dim `_qperm_regs` gives as that same key dim."""
+    assert sorted(K._qperm_regs(c) for c in range(128)) == list(range(128))
+    at = {K._frag_a(i, c): c for i in range(64) for c in range(128)}  # (thread, element) -> column
+    assert len(at) == 64 * 128
+    for thread in range(128):
+        block = thread % 32 % 4  # the scale block a thread decodes (its lane % 4)
+        for h in range(2):  # its two rows of the m64 tile
+            for r in range(16):
+                for e in range(2):
+                    element = ((r // 2) * 4 + (r % 2) * 2 + h) * 2 + e  # dsv41c_decode_frag's word, half
+                    c = at[thread, element]
+                    assert K._qperm_regs(c) == 32 * block + 8 * (r // 4) + r % 4 + 4 * e, (thread, h, r, e)
 
 
 def ulp_close(got, ref, seed):

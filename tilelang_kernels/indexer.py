@@ -643,6 +643,12 @@ def _qperm_regs(c):
     return 32 * lane + 8 * (r // 4) + r % 4 + 4 * e
 
 
+def _frag_a(i, c):
+    """(thread, element) of row i, column c of a 64-row wgmma m64k16 register A fragment (one
+    warpgroup): the hardware's layout, which `dsv41c_decode_frag` fills and the scoring annotates."""
+    return i // 16 * 32 + i % 8 * 4 + c % 8 // 2, c // 16 * 8 + c % 16 // 8 * 4 + i % 16 // 8 * 2 + c % 2
+
+
 def cuda_tiles_per_cta(n: int, rows: int, slots: int | None = None) -> int:
     """Key tiles each scoring CTA walks: the fewest that fit all CTAs in one wave of `slots`
     (default `_CTAS_PER_SM` per SM of an H200's 132), at most `_MAX_TPC`; a longer walk loads the
@@ -755,9 +761,8 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
             Qs = T.alloc_shared((H, d), "bfloat16")
             if regs:  # the wgmma m64k16 register A layout, which dsv41c_decode_frag fills by hand
                 As = T.alloc_fragment((gm, d), "bfloat16")
-                T.annotate_layout({As: T.Fragment((gm, d), forward_thread_fn=lambda i, c: i // 16 * 32 + i % 8 * 4 + c % 8 // 2,
-                                                  forward_index_fn=lambda i, c: c // 16 * 8 + c % 16 // 8 * 4 + i % 16 // 8 * 2
-                                                  + c % 2)})
+                T.annotate_layout({As: T.Fragment((gm, d), forward_thread_fn=lambda i, c: _frag_a(i, c)[0],
+                                                  forward_index_fn=lambda i, c: _frag_a(i, c)[1])})
             else:
                 As = T.alloc_shared((_BN, d), "bfloat16")
             Ws = T.alloc_shared((H,), "bfloat16")
@@ -765,14 +770,16 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
             LS = T.alloc_shared((_MAX_TPC * tile_blocks if cand else 1,), "uint16")  # kept blocks, range offsets
             cnt = T.alloc_shared((1,), "int32")
             acc = T.alloc_fragment((gm, H), "float32")
-            rsum = T.alloc_fragment((gm,), "float32")
             if mma_sum:
                 prod = T.alloc_fragment((gm, H), "bfloat16")
                 ones = T.alloc_shared((8, H), "bfloat16")
                 hsum = T.alloc_fragment((gm, 8), "float32")
+            else:
+                rsum = T.alloc_fragment((gm,), "float32")
             cl = T.alloc_local((units, 16), "uint8")
             sl = T.alloc_local((units,), "uint8")
-            al = T.alloc_local((32,), "bfloat16")
+            if not regs:
+                al = T.alloc_local((32,), "bfloat16")  # one decoded unit, on its way to As
             sv = T.alloc_var("float32")
             live = T.alloc_var("int32")
             nc = T.alloc_var("int32")
