@@ -457,8 +457,8 @@ def test_cuda_scores_other_tiles(bn, ctas, monkeypatch):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("sets", ({"_KEYS_IN_REGS": 0}, {"_HEAD_SUM_MMA": 0}, {"_UNGUARDED": 1}),
-                         ids=["shared_key_tile", "head_sum_by_adds", "unguarded"])
+@pytest.mark.parametrize("sets", ({"_KEYS_IN_REGS": 0}, {"_HEAD_SUM_MMA": 0}, {"_UNGUARDED": 0}),
+                         ids=["shared_key_tile", "head_sum_by_adds", "guarded"])
 def test_cuda_scores_variants(sets, monkeypatch):
     """The scoring's switchable build choices other than the defaults, against the ref: decode with
     and without candidates, and a causal prefill."""
@@ -511,6 +511,7 @@ def test_cuda_scores_head_sum_by_adds_with_two_warpgroups(monkeypatch):
 def test_cuda_scores_unguarded_build_lowers(monkeypatch):
     """Without a GPU: `_UNGUARDED` drops TileLang's own bounds guards (a second test of each key
     row against the cache rows NC) from the scoring's loads; the kernel's guards (t < lim) stay."""
+    monkeypatch.setattr(K, "_UNGUARDED", 0)
     assert "< NC)" in _sm90_scores_source()
     monkeypatch.setattr(K, "_UNGUARDED", 1)
     for cand in (False, True):

@@ -524,9 +524,9 @@ _KEYS_IN_REGS = 1
 # CUDA scoring: built without TileLang's bounds guards on global accesses (NO_GUARD_ATTR).  Every
 # access is guarded in the kernel already: key loads by t < lim <= n <= the cache rows
 # (`_check_scores`), score and block-max stores by t < N, the candidate flags by a clamp and blk <
-# NB, q and w by the grid.  The static tile loop drops 898 -> 823 SASS instructions.  Off until
-# it has run on a GPU.
-_UNGUARDED = 0
+# NB, q and w by the grid.  The static tile loop drops 898 -> 823 SASS instructions; 1.08x at
+# batch 32, 256K on an H200 (BENCHMARKS.md).
+_UNGUARDED = 1
 
 # Decode of one key's scale block (16 code bytes, one UE8M0 byte) into 32 bf16 operand values with
 # the scale folded in, on the ALU (no table, no shared memory).  Code nibble j of a 32-bit word
