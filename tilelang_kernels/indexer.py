@@ -60,8 +60,6 @@ import tilelang.cpu.language as TC
 import tilelang.language as T
 import torch
 import torch.nn.functional as F
-from tilelang.layout import make_wgmma_swizzled_layout
-
 from dsv41c.tilelang_kernels.quant import (
     NO_GUARD_ATTR,
     NO_SYNC_ATTR,
@@ -529,12 +527,6 @@ _KEYS_IN_REGS = 1
 # NB, q and w by the grid.  The static tile loop drops 898 -> 823 SASS instructions; 1.08x at
 # batch 32, 256K on an H200 (BENCHMARKS.md).
 _UNGUARDED = 1
-# CUDA scoring with the keys in registers and the head sum on the tensor cores, H = 32: both GEMMs
-# issued by the prelude (`dsv41c_mma_keys`, `dsv41c_mma_head_sum`) instead of T.gemm, so without
-# TileLang's async-proxy fence before each (the shared operands are written once, fenced once);
-# the weights in registers; and each score stored straight from the head sum's accumulator (block
-# max by shuffles across its rows), so no shared round trip and no barrier in the walk.
-_DIRECT_EPILOGUE = 0
 
 # Decode of one key's scale block (16 code bytes, one UE8M0 byte) into 32 bf16 operand values with
 # the scale folded in, on the ALU (no table, no shared memory).  Code nibble j of a 32-bit word
@@ -549,12 +541,6 @@ _DIRECT_EPILOGUE = 0
 # The 8 values of a word are stored as (0,4), (1,5), (2,6), (3,7): the query is permuted the same
 # way (`_qperm`), so the dot products are unchanged.
 _DECODE_PRELUDE = r"""
-// TileLang's wgmma, warpgroup and fence helpers, for the GEMMs issued by hand below (the prelude
-// comes before TileLang's own includes)
-#include <tl_templates/cuda/instruction/wgmma.h>
-#include <tl_templates/cuda/intrin.h>
-#include <tl_templates/cuda/barrier.h>
-
 // bf16x2 multiply, round to nearest even, subnormals kept (PTX mul.bf16x2 has no flush-to-zero).
 __device__ __forceinline__ unsigned dsv41c_mul_bf16x2(unsigned a, unsigned b) {
   unsigned d;
@@ -626,83 +612,6 @@ __device__ __forceinline__ void dsv41c_decode_frag(const void* codes, unsigned s
   dsv41c_decode16(codes, s, o);
 #pragma unroll
   for (int r = 0; r < 16; ++r) reinterpret_cast<unsigned*>(frag)[(r / 2) * 4 + (r % 2) * 2 + h] = o[r];
-}
-
-// The scoring's two GEMMs issued here instead of by T.gemm (`_DIRECT_EPILOGUE`, H = 32): TileLang
-// fences the async proxy before each wgmma it emits (a MEMBAR.ALL.CTA and a FENCE.VIEW.ASYNC.S),
-// although the only shared operands, the query and the ones, are written once before the walk
-// and fenced there.  Keys x query: the thread's 32 words `a` of the m64k16 A fragments (64 keys x
-// 128 dims) against the [32, 128] query tile `qs` in TileLang's wgmma 128-byte swizzle (two
-// halves of 64 dims, 32 rows of 128 bytes each), into the thread's 16 fp32 of the m64n32
-// accumulator: column 8 (i / 4) + 2 (lane % 4) + i % 2 of row 16 warp + lane / 4 + 8 ((i / 2) % 2).
-// (sm_90 only, as the wgmma is.)
-__device__ __forceinline__ void dsv41c_mma_keys(void* frag, bfloat16_t* qs, float* acc) {
-#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900)
-  unsigned* a = reinterpret_cast<unsigned*>(frag);
-  tl::GmmaDescriptor desc;
-  tl::initialize_wgmma_descriptor<1, 1, 64>(desc, qs);
-  tl::warpgroup_fence_operand(a, 32);
-  tl::warpgroup_fence_operand(acc, 16);
-  tl::warpgroup_arrive();
-#pragma unroll
-  for (int ki = 0; ki < 8; ++ki) {
-    tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 32, 16, false, false, 1, 1>(
-        a + 4 * ki, uint64_t(desc + (((ki >> 2) * 4096 + (ki & 3) * 32) >> 4)), reinterpret_cast<uint32_t*>(acc), ki > 0 ? 1 : 0);
-  }
-  tl::warpgroup_commit_batch();
-  tl::warpgroup_wait<0>();
-  tl::warpgroup_fence_operand(acc, 16);
-  tl::warpgroup_fence_operand(a, 32);
-#elif defined(__CUDA_ARCH__)
-  __trap();  // wgmma: sm_90 only
-#endif
-}
-
-// The epilogue's products bf16(relu(bf16(acc)) x w) (one rounding each: a product of two bf16 is
-// exact in fp32) on bf16 pairs, as the 8 words of the two m64k16 A fragments over the 32 heads:
-// the accumulator's pairs in order are those fragments' words.  w: the thread's 4 bf16x2 weights,
-// heads 8 j + 2 (lane % 4) + {0, 1}.
-__device__ __forceinline__ void dsv41c_head_products(const float* acc, const void* wv, void* pv) {
-  const unsigned* w = reinterpret_cast<const unsigned*>(wv);
-  unsigned* prod = reinterpret_cast<unsigned*>(pv);
-#pragma unroll
-  for (int p = 0; p < 8; ++p) {
-    __nv_bfloat162 v = __hmax2(__float22bfloat162_rn(make_float2(acc[2 * p], acc[2 * p + 1])), __float2bfloat162_rn(0.0f));
-    prod[p] = dsv41c_mul_bf16x2(*reinterpret_cast<unsigned*>(&v), w[p / 2]);
-  }
-}
-
-// The sum over the 32 heads of the products, in fp32, by a wgmma against the [8, 32] tile of
-// ones (each product x 1 exact; any layout of ones reads ones).  sum[0] (= sum[1]) is the sum of
-// row 16 warp + lane / 4, sum[2] (= sum[3]) of the row 8 below.  Issued only: it runs while the
-// thread decodes the next pass, and `dsv41c_mma_wait` (or the next keys' GEMM) waits for it.
-__device__ __forceinline__ void dsv41c_mma_head_sum(void* pv, bfloat16_t* ones, float* sum) {
-#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900)
-  unsigned* prod = reinterpret_cast<unsigned*>(pv);
-  tl::GmmaDescriptor desc;
-  tl::initialize_wgmma_descriptor<2, 1, 0>(desc, ones);
-  tl::warpgroup_fence_operand(prod, 8);
-  tl::warpgroup_fence_operand(sum, 4);
-  tl::warpgroup_arrive();
-#pragma unroll
-  for (int ki = 0; ki < 2; ++ki) {
-    tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 8, 16, false, false, 1, 1>(
-        prod + 4 * ki, uint64_t(desc + ((ki * 32) >> 4)), reinterpret_cast<uint32_t*>(sum), ki > 0 ? 1 : 0);
-  }
-  tl::warpgroup_commit_batch();
-#elif defined(__CUDA_ARCH__)
-  __trap();  // wgmma: sm_90 only
-#endif
-}
-
-// Wait for the head sum in flight; `sum` is readable after it.
-__device__ __forceinline__ void dsv41c_mma_wait(float* sum) {
-#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900)
-  tl::warpgroup_wait<0>();
-  tl::warpgroup_fence_operand(sum, 4);
-#elif defined(__CUDA_ARCH__)
-  __trap();  // wgmma: sm_90 only
-#endif
 }
 
 // -inf into the scores p[0 .. min(left, 8)): one 16-byte store where all 8 are in the row and p is
@@ -798,7 +707,6 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
     # accumulator and the second's register operand out on different threads (it refuses the build)
     mma_sum = bool(_HEAD_SUM_MMA) and H % 16 == 0 and _THREADS == 128
     regs = bool(_KEYS_IN_REGS) and d == 128 and _BN == _THREADS == 128
-    direct = bool(_DIRECT_EPILOGUE) and regs and mma_sum and H == 32
     qperm = _qperm_regs if regs else _qperm
     # with the keys in registers, a tile is two passes of one m64 GEMM (half the fragment registers
     # live at a time), each over the units 2 mt, 2 mt + 1 (the thread's rows of m tile mt)
@@ -840,29 +748,6 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                     cl[u, e] = T.uint8(0)
                 sl[u] = T.uint8(0)
 
-    @T.macro
-    def store_pass(SC, BM, VL, LS, hsum, b, s, bx, tpc, it, mt, nc, tx):
-        """(direct) The scores and block maxima of pass mt of tile it from the head sums: the
-        thread's rows 16 warp + lane / 4 + 8 h of the pass have the sums hsum[2 h].  (A skipped
-        tile's stale sums are masked: none of its keys is listed and visible.)"""
-        sv = T.alloc_var("float32")
-        mv = T.alloc_var("float32")
-        for h in T.unroll(2):
-            th, lh = row_key(LS, bx, tpc, it, mt * gm + tx // 32 * 16 + h * 8 + tx % 32 // 4, nc)
-            ok = T.And(lh, th < N)
-            sv = T.Cast("float32", T.Cast("bfloat16", hsum[2 * h]))
-            sv = T.Select(sv == T.float32(0), T.float32(0), sv)  # -0 -> +0
-            if visible:
-                sv = T.Select(th >= VL[s], neg_inf, sv)
-            if T.And(ok, tx % 4 == h):  # lanes 4 r + h store row r + 8 h
-                SC[b, s, th] = T.Cast("bfloat16", sv)
-            if bmax:  # rows 8 h .. 8 h + 7 of the warp's 16: one block, over lanes 4 r + h
-                mv = T.Select(ok, sv, neg_inf)
-                for k in T.unroll(3):
-                    mv = T.max(mv, T.shfl_xor(mv, 4 << k))
-                if T.And(ok, tx % 32 == h):  # lane h holds the block's first row
-                    BM[b, s, th // BLOCK] = T.Cast("bfloat16", mv)
-
     @T.prim_func
     def main(Q: T.Tensor((B, S, H, d), "bfloat16"), CODES: T.Tensor((B, NC, d // 2), "uint8"),
              SCALES: T.Tensor((B, NC, nsb), "uint8"), W: T.Tensor((B, S, H), "bfloat16"),
@@ -874,36 +759,23 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
             T.annotate_min_blocks_per_sm(_CTAS_PER_SM)  # the plan's CTAs per SM, in the register budget
             tx = T.get_thread_binding()
             Qs = T.alloc_shared((H, d), "bfloat16")
-            if direct:  # the prelude's GEMMs: the query in the layout TileLang gives a wgmma operand
-                As = T.alloc_local((gm * d // _THREADS,), "bfloat16")  # the thread's A fragment words
-                a_frag = T.address_of(As[0])
-                T.annotate_layout({Qs: make_wgmma_swizzled_layout(Qs)})
-            elif regs:  # the wgmma m64k16 register A layout, which dsv41c_decode_frag fills by hand
+            if regs:  # the wgmma m64k16 register A layout, which dsv41c_decode_frag fills by hand
                 As = T.alloc_fragment((gm, d), "bfloat16")
                 T.annotate_layout({As: T.Fragment((gm, d), forward_thread_fn=lambda i, c: _frag_a(i, c)[0],
                                                   forward_index_fn=lambda i, c: _frag_a(i, c)[1])})
-                a_frag = T.address_of(As[0, 0])
             else:
                 As = T.alloc_shared((_BN, d), "bfloat16")
-            if not direct:
-                Ws = T.alloc_shared((H,), "bfloat16")
-                Rs = T.alloc_shared((_BN,), "float32")
+            Ws = T.alloc_shared((H,), "bfloat16")
+            Rs = T.alloc_shared((_BN,), "float32")
             LS = T.alloc_shared((_MAX_TPC * tile_blocks if cand else 1,), "uint16")  # kept blocks, range offsets
             cnt = T.alloc_shared((1,), "int32")
-            if direct:  # the thread's registers of the two GEMMs (see the prelude)
-                acc = T.alloc_local((gm * H // _THREADS,), "float32")
-                prod = T.alloc_local((gm * H // _THREADS,), "bfloat16")
-                hsum = T.alloc_local((4,), "float32")
-                wl = T.alloc_local((H // 4,), "bfloat16")  # heads 8 j + 2 (lane % 4) + {0, 1}
-            else:
-                acc = T.alloc_fragment((gm, H), "float32")
-                if mma_sum:
-                    prod = T.alloc_fragment((gm, H), "bfloat16")
-                    hsum = T.alloc_fragment((gm, 8), "float32")
-                else:
-                    rsum = T.alloc_fragment((gm,), "float32")
+            acc = T.alloc_fragment((gm, H), "float32")
             if mma_sum:
+                prod = T.alloc_fragment((gm, H), "bfloat16")
                 ones = T.alloc_shared((8, H), "bfloat16")
+                hsum = T.alloc_fragment((gm, 8), "float32")
+            else:
+                rsum = T.alloc_fragment((gm,), "float32")
             cl = T.alloc_local((units, 16), "uint8")
             sl = T.alloc_local((units,), "uint8")
             if not regs:
@@ -915,20 +787,11 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
             base = T.alloc_var("int32")
             for h, c in T.Parallel(H, d):
                 Qs[h, c] = Q[b, s, h, qperm(c)]
-            if direct:
-                for j in T.unroll(H // 8):
-                    for e in T.vectorized(2):
-                        wl[2 * j + e] = W[b, s, 8 * j + 2 * (tx % 4) + e]
-            else:
-                for h in T.Parallel(H):
-                    Ws[h] = W[b, s, h]
+            for h in T.Parallel(H):
+                Ws[h] = W[b, s, h]
             if mma_sum:
                 for j, h in T.Parallel(8, H):
                     ones[j, h] = T.bfloat16(1)
-            if direct:  # the shared operands are read by the async proxy from here on
-                T.call_extern("handle", "tl::fence_proxy_async")
-                if not cand:  # (with candidates, the list's first barrier follows)
-                    T.sync_threads()
             lim = T.min(N, VL[s]) if visible else N
             nc = 0
             walk = tpc
@@ -963,20 +826,15 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
             for mt in T.unroll(passes):
                 load(CODES, SCALES, LS, cl, sl, b, bx, tpc, 0, nc, lim, tx, mt)
             for it in T.serial(walk):
-                if direct:  # no barrier: the walk reads no shared memory that it writes
-                    t0, listed0 = row_key(LS, bx, tpc, it, 0, nc)
-                    # (with candidates, any listed block: the list is in no order of position)
-                    live = T.Cast("int32", listed0 if cand else t0 < lim)
-                else:
-                    t, listed = row_key(LS, bx, tpc, it, tx, nc)  # this thread's key in the epilogue
-                    # (a barrier: the previous tile's readers of As and Rs are done)
-                    live = T.call_extern("int32", "__syncthreads_or", T.Cast("int32", T.And(listed, t < lim)))
+                t, listed = row_key(LS, bx, tpc, it, tx, nc)  # this thread's key in the epilogue
+                # (a barrier: the previous tile's readers of As and Rs are done)
+                live = T.call_extern("int32", "__syncthreads_or", T.Cast("int32", T.And(listed, t < lim)))
                 for mt in T.unroll(passes):
                     if live != 0:
                         if regs:
                             for h2 in T.unroll(2):
                                 T.call_extern("handle", "dsv41c_decode_frag", T.address_of(cl[2 * mt + h2, 0]),
-                                              T.Cast("uint32", sl[2 * mt + h2]), a_frag, h2)
+                                              T.Cast("uint32", sl[2 * mt + h2]), T.address_of(As[0, 0]), h2)
                         else:
                             for u in T.unroll(units):
                                 r, j = unit_key(tx, u)
@@ -989,24 +847,7 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                         load(CODES, SCALES, LS, cl, sl, b, bx, tpc, it + 1, nc, lim, tx, mt)
                     if not regs:
                         T.sync_threads()  # As is written
-                    if direct:
-                        # the head sum of the previous pass ran during this pass's decode; the keys'
-                        # GEMM waits for it too, and then its scores are stored
-                        if live != 0:
-                            T.call_extern("handle", "dsv41c_mma_keys", a_frag, T.address_of(Qs[0, 0]),
-                                          T.address_of(acc[0]))
-                        if mt > 0:
-                            T.call_extern("handle", "dsv41c_mma_wait", T.address_of(hsum[0]))
-                            store_pass(SC, BM, VL, LS, hsum, b, s, bx, tpc, it, mt - 1, nc, tx)
-                        elif it > 0:
-                            T.call_extern("handle", "dsv41c_mma_wait", T.address_of(hsum[0]))
-                            store_pass(SC, BM, VL, LS, hsum, b, s, bx, tpc, it - 1, passes - 1, nc, tx)
-                        if live != 0:
-                            T.call_extern("handle", "dsv41c_head_products", T.address_of(acc[0]), T.address_of(wl[0]),
-                                          T.address_of(prod[0]))
-                            T.call_extern("handle", "dsv41c_mma_head_sum", T.address_of(prod[0]),
-                                          T.address_of(ones[0, 0]), T.address_of(hsum[0]))
-                    elif live != 0:
+                    if live != 0:
                         T.gemm(As, Qs, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                         if mma_sum:
                             # bf16 products (rounded once: the ref's bf16(relu(bf16(s)) * w)), summed
@@ -1026,25 +867,20 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                             T.reduce_sum(acc, rsum, dim=1)
                             for i in T.Parallel(gm):
                                 Rs[mt * gm + i] = rsum[i]
-                if not direct:
-                    T.sync_threads()
-                    # (a skipped tile reads stale sums here; every one of its scores is masked below)
-                    sv = T.Cast("float32", T.Cast("bfloat16", Rs[tx]))
-                    sv = T.Select(sv == T.float32(0), T.float32(0), sv)  # -0 -> +0
-                    if visible:
-                        sv = T.Select(t >= VL[s], neg_inf, sv)
-                    if T.And(listed, t < N):
-                        SC[b, s, t] = T.Cast("bfloat16", sv)
-                    if bmax:
-                        sv = T.Select(T.And(listed, t < N), sv, neg_inf)
-                        for k in T.unroll(3):
-                            sv = T.max(sv, T.shfl_xor(sv, 1 << k))
-                        if T.And(T.And(listed, t < N), tx % BLOCK == 0):
-                            BM[b, s, t // BLOCK] = T.Cast("bfloat16", sv)
-            if direct:
-                if walk > 0:  # the last pass's head sum
-                    T.call_extern("handle", "dsv41c_mma_wait", T.address_of(hsum[0]))
-                    store_pass(SC, BM, VL, LS, hsum, b, s, bx, tpc, walk - 1, passes - 1, nc, tx)
+                T.sync_threads()
+                # (a skipped tile reads stale sums here; every one of its scores is masked below)
+                sv = T.Cast("float32", T.Cast("bfloat16", Rs[tx]))
+                sv = T.Select(sv == T.float32(0), T.float32(0), sv)  # -0 -> +0
+                if visible:
+                    sv = T.Select(t >= VL[s], neg_inf, sv)
+                if T.And(listed, t < N):
+                    SC[b, s, t] = T.Cast("bfloat16", sv)
+                if bmax:
+                    sv = T.Select(T.And(listed, t < N), sv, neg_inf)
+                    for k in T.unroll(3):
+                        sv = T.max(sv, T.shfl_xor(sv, 1 << k))
+                    if T.And(T.And(listed, t < N), tx % BLOCK == 0):
+                        BM[b, s, t // BLOCK] = T.Cast("bfloat16", sv)
     main = main.with_attr(NO_SYNC_ATTR, 1)  # its own barriers (TileLang's pass would add a redundant one)
     return main.with_attr(NO_GUARD_ATTR, 1) if _UNGUARDED else main
 
