@@ -4,10 +4,15 @@ reference, and the bytes-moved bound.
 
     python3 benchmarks/indexer.py [--batch 1 32] [--context 8192 65536 262144] [--set NAME=VALUE ...]
                                   [--json OUT.json] [--select-phases] [--key-spread BITS]
+                                  [--ablate nodecode|nomul|noload]
 
 --select-phases times only the top-k, launch by launch (see `select_phases`).
 --set overrides an integer constant of tilelang_kernels/indexer.py before the first build (a variant
 to time against the default in the same run); the table's header repeats the overrides.
+--ablate (timing only: the scores are wrong) replaces the scoring's key decode (`dsv41c_decode16`)
+before the first build, to measure what the parts cost: "nomul" keeps the bit moves and drops the
+scale multiplies, "nodecode" passes the code words through as operands (the key loads stay),
+"noload" feeds constants (the key loads go too: the GEMMs, the epilogue and the walk remain).
 
 One decode step per sequence (S = 1) at the released indexer dims: H_I = 32 heads x d_I = 128,
 n = context index keys (ratio 1: the candidate source), top-k 512, 2048 candidate blocks of 8.
@@ -49,6 +54,39 @@ from quant import (  # benchmarks/ is the script's path: the codec benchmark's t
 )
 
 H, D = 32, 128
+
+# --ablate: replacement bodies of dsv41c_decode16 (the signature line is kept)
+_ABLATIONS = {
+    "nodecode": """
+  uint4 c = *reinterpret_cast<const uint4*>(codes);
+  unsigned words[4] = {c.x, c.y, c.z, c.w};
+#pragma unroll
+  for (int r = 0; r < 16; ++r) o[r] = words[r & 3] ^ (s << (r & 7));
+}
+""",
+    "nomul": """
+  uint4 c = *reinterpret_cast<const uint4*>(codes);
+  unsigned words[4] = {c.x, c.y, c.z, c.w};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) dsv41c_e2m1_words(words[q], o + 4 * q);
+  o[0] ^= s;
+}
+""",
+    "noload": """
+#pragma unroll
+  for (int r = 0; r < 16; ++r) o[r] = 0x3F803F80u + r;
+}
+""",
+}
+
+
+def ablate(part: str) -> None:
+    """Replace the scoring's key decode by the `_ABLATIONS` body `part` (before the first build)."""
+    src = K._DECODE_PRELUDE
+    i = src.index("__device__ __forceinline__ void dsv41c_decode16(")
+    i = src.index("{", i) + 1
+    j = src.index("\n}\n", i) + 3
+    K._DECODE_PRELUDE = src[:i] + _ABLATIONS[part] + src[j:]
 
 
 def make_caches(b, n, copies, spread=4.0):
@@ -180,10 +218,14 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--key-spread", type=float, default=4.0, metavar="BITS",
                     help="keys are N(0, 1) x 2^U(0, BITS) (default 4; 0: unit-RMS keys)")
+    ap.add_argument("--ablate", choices=sorted(_ABLATIONS), default=None,
+                    help="timing only (wrong scores): the scoring with part of its key decode removed")
     ap.add_argument("--select-phases", action="store_true",
                     help="only the top-k: the device time of each of its launches (no scoring, not the main table)")
     a = ap.parse_args()
     overrides = tuning(K, a.set)
+    if a.ablate:
+        ablate(a.ablate)
     if a.select_phases:
         select_phases(a.batch, a.context, a.topk, a.blocks)
         return
@@ -241,7 +283,8 @@ def main() -> None:
     print(f"\ndevice: {torch.cuda.get_device_name()}, copy bandwidth {copy_gbs:.0f} GB/s (4 GiB device-to-device, "
           f"read + write); H_I = {H} x d_I = {D}, top-k {a.topk}, {a.blocks} candidate blocks of {K.BLOCK}"
           f"; keys N(0, 1) x 2^U(0, {a.key_spread:g})"
-          f"{'; overrides ' + ', '.join(f'{k}={v}' for k, v in overrides.items()) if overrides else ''}\n")
+          f"{'; overrides ' + ', '.join(f'{k}={v}' for k, v in overrides.items()) if overrides else ''}"
+          f"{'; ablated (timing only, wrong scores): ' + a.ablate if a.ablate else ''}\n")
     print("| variant | B | context | MB moved | TileLang us | % bound | in a CUDA graph us | % bound | eager us | x eager | compile us "
           "| compile % bound | x compile | top-k exact |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
