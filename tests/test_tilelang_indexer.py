@@ -651,6 +651,40 @@ def test_cuda_topk_given_the_funnel_flags(b, s, n, k, monkeypatch):
     assert same(got.cpu(), K.index_topk_ref(sc.cpu(), vl.cpu(), k=k, offset=128)), f"seed={seed}"
 
 
+@pytest.mark.gpu
+@cuda
+def test_cuda_topk_candidates_unguarded(monkeypatch):
+    """The candidate-mode select built without TileLang's bounds guards (`_SEL_UNGUARDED`), on the
+    candidate and funnel-flag cases above."""
+    monkeypatch.setattr(K, "_SEL_UNGUARDED", 1)
+    K.build.cache_clear()  # builds are cached per op key, which does not name the switch
+    try:
+        for case in ((4, 5, 8195, 512, 0.06), (40, 15, 20000, 64, 0.3), (2, 3, 3001, 1, 0.01), (1, 1, 262144, 512, 0.0625)):
+            test_cuda_topk_candidates(*case, monkeypatch)
+        for case in ((4, 5, 70000, 512), (2, 3, 9000, 64)):
+            test_cuda_topk_given_the_funnel_flags(*case, monkeypatch)
+    finally:
+        K.build.cache_clear()
+
+
+def test_cuda_select_unguarded_build_lowers(monkeypatch):
+    """Without a GPU: `_SEL_UNGUARDED` drops TileLang's bounds guards from the candidate-mode
+    select (the flags' test against NB, the score loads' against N); the emit keeps its own guard
+    of the output slots."""
+    import tilelang
+
+    from dsv41c.tilelang_kernels.quant import cuda_pass_configs
+    tgt = {"kind": "cuda", "arch": "sm_90a"}
+    for flag in (0, 1):
+        monkeypatch.setattr(K, "_SEL_UNGUARDED", flag)
+        for phase in K.SELECT_PHASES:
+            main = K.select_prim_func("cand", phase, "cuda")
+            with tilelang.tvm.transform.PassContext(config=cuda_pass_configs(main)), tilelang.tvm.target.Target(tgt):
+                src = tilelang.lower(main, target=tgt).kernel_source.split("main_kernel")[-1]
+            assert ("< NB)" in src and "(1 <= N)" in src) != bool(flag), (flag, phase)
+            assert ("< KO)" in src) == (phase == "emit"), (flag, phase)
+
+
 def test_cuda_select_split():
     for n, rows in ((1, 1), (2048, 1), (262144, 1), (262144, 32), (8192, 4), (70000, 20)):
         parts, part = K.cuda_select_split(n, rows)

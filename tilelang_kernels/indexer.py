@@ -888,6 +888,12 @@ _SEL_THREADS = 256  # CUDA select: threads per CTA, one histogram bin each
 _SEL_VEC = 8  # CUDA select: consecutive scores per thread and chunk (a multiple of 8: 16-byte loads)
 _SEL_CTAS_PER_SM = 4  # CUDA select: the split's CTAs per SM (`cuda_select_split`), and the launch bounds' minimum
 _SEL_GATHER_CHUNKS = 3  # CUDA select: the fewest chunks a part spans for the candidate mode (`cuda_select_gathers`)
+# CUDA select, candidate mode: built without TileLang's bounds guards (NO_GUARD_ATTR), every global
+# access in range by construction or guarded here: the flags by the window (blk < pb0 + pbn <=
+# ceil(N / 8) = NB: `_topk_impl` checks the flags' shape); the score loads at
+# min(i, N - 1) (n > k >= 1); PART at parts q < p and bins ctl[2] (+ 1) of find_bin; the output
+# slots by an explicit < KO.  Not yet run on a GPU: off.
+_SEL_UNGUARDED = 0
 SELECT_PHASES = ("hist0", "hist1", "emit")
 
 # The select's key loads: 8 consecutive bf16 scores as one 16-byte load where they are whole and
@@ -1168,11 +1174,16 @@ def _cuda_select_prim_func(mode, phase):
                                     OUT[b, s, i] = T.Cast("uint8", (kl[e] > thr or (kl[e] == thr and eq < need))
                                                           and kl[e] > _u(_KEY_NEG_INF))
                             elif listed and i < N and (kl[e] > thr or (kl[e] == thr and eq < need)):
-                                OUT[b, s, gt + T.min(eq, need)] = T.Select(i >= VL[s], -1, i + offset)
+                                if gt + T.min(eq, need) < KO:  # (always: the k selected fill the k slots)
+                                    OUT[b, s, gt + T.min(eq, need)] = T.Select(i >= VL[s], -1, i + offset)
                             gt = gt + T.Select(kl[e] > thr, 1, 0)
                             eq = eq + T.Select(kl[e] == thr, 1, 0)
                         run[0] = run[0] + (res[1] & 0xFFFF)
                         run[1] = run[1] + (res[1] >> 16)
     # candidate mode places its own barriers: TileLang's pass adds 3 redundant ones per window and
     # step of the histograms (the list and the bins are guarded by the block scans' barriers)
-    return main.with_attr(NO_SYNC_ATTR, 1) if cand else main
+    if cand:
+        main = main.with_attr(NO_SYNC_ATTR, 1)
+        if _SEL_UNGUARDED:
+            main = main.with_attr(NO_GUARD_ATTR, 1)
+    return main
