@@ -439,29 +439,15 @@ def _sm90_scores_source(cand=False):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("bn,ctas", ((256, 2), (256, 3)), ids=["2x256", "3x256"])
-def test_cuda_scores_other_tiles(bn, ctas, monkeypatch):
-    """The scoring on the other timed tile shapes than the default 5 CTAs of 128 keys: 256 keys on
-    two warpgroups, 2 or 3 CTAs per SM, against the ref: decode with and without candidates, and a
-    causal prefill."""
-    for name, value in (("_BN", bn), ("_THREADS", bn), ("_CTAS_PER_SM", ctas)):
-        monkeypatch.setattr(K, name, value)
-    K.build.cache_clear()  # builds are cached per op key, which does not name the tile size
-    try:
-        test_cuda_scores_released_dims_decode(1, 100003, 0.25)
-        test_cuda_scores_released_dims_decode(32, 8269, None)
-        test_cuda_scores_prefill(True, 1, 1030, 4)
-    finally:
-        K.build.cache_clear()
-
-
-@pytest.mark.gpu
-@cuda
-@pytest.mark.parametrize("sets", ({"_KEYS_IN_REGS": 0}, {"_HEAD_SUM_MMA": 0}, {"_UNGUARDED": 0}),
-                         ids=["shared_key_tile", "head_sum_by_adds", "guarded"])
+@pytest.mark.parametrize("sets", ({"_BN": 256, "_THREADS": 256, "_CTAS_PER_SM": 2},
+                                  {"_BN": 256, "_THREADS": 256, "_CTAS_PER_SM": 3},
+                                  {"_KEYS_IN_REGS": 0}, {"_HEAD_SUM_MMA": 0}, {"_UNGUARDED": 0}),
+                         ids=["2x256", "3x256", "shared_key_tile", "head_sum_by_adds", "guarded"])
 def test_cuda_scores_variants(sets, monkeypatch):
-    """The scoring's switchable build choices other than the defaults, against the ref: decode with
-    and without candidates, and a causal prefill."""
+    """The scoring's timed build choices other than the defaults (5 CTAs of 128 keys on one
+    warpgroup, keys in registers, the head sum on the tensor cores, no TileLang guards) against the
+    ref: 256 keys on two warpgroups at 2 or 3 CTAs per SM, the shared key tile, the head sum by
+    adds, TileLang's guards; decode with and without candidates, and a causal prefill."""
     for name, value in sets.items():
         monkeypatch.setattr(K, name, value)
     K.build.cache_clear()  # builds are cached per op key, which does not name these switches
