@@ -542,6 +542,24 @@ def test_cuda_select_candidates_lower_for_sm90():
 SELECT_PHASES_BARRIERS = {"hist0": 5, "hist1": 11, "emit": 13}
 
 
+def test_benchmark_ablations_replace_only_the_decode(monkeypatch):
+    """benchmarks/indexer.py --ablate (how the decode's share of the scoring was timed) swaps the body
+    of `dsv41c_decode16` and nothing else of the prelude, and the scoring still lowers with it."""
+    import sys
+    from pathlib import Path
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    monkeypatch.delitem(sys.modules, "indexer", raising=False)
+    import indexer as BI
+    src = K._DECODE_PRELUDE
+    head = src[:src.index("{", src.index("void dsv41c_decode16(")) + 1]
+    tail = src[src.index("\n}\n", len(head)) + 3:]
+    for part, body in BI._ABLATIONS.items():
+        monkeypatch.setattr(K, "_DECODE_PRELUDE", src)
+        BI.ablate(part)
+        assert K._DECODE_PRELUDE == head + body + tail, part
+    assert "0x3F803F80u" in _sm90_scores_source().split("main_kernel")[0]  # the last one, noload, lowered
+
+
 def test_sass_tool_counts_the_longest_loop(monkeypatch):
     """benchmarks/sass.py's "loop" column (how the scoring variants were counted): the instructions
     from a backward branch's target to the branch, the widest such span; a forward branch is none."""
