@@ -363,6 +363,50 @@ def test_register_fragment_column_order():
                     assert K._qperm_regs(c) == 32 * block + 8 * (r // 4) + r % 4 + 4 * e, (thread, h, r, e)
 
 
+def _prmt(a, b, sel):
+    """PTX prmt.b32 (default mode) on int64 tensors of 32-bit values: byte i of the result is byte
+    (nibble i of sel) & 7 of {b, a}, or that byte's sign bit replicated where the nibble's bit 3 is set."""
+    src, sel = a | b << 32, torch.as_tensor(sel)
+    out = torch.zeros_like(a)
+    for i in range(4):
+        nib = (sel >> 4 * i) & 0xF
+        byte = (src >> (8 * (nib & 7))) & 0xFF
+        byte = torch.where(nib & 8 != 0, torch.where(byte & 0x80 != 0, 0xFF, 0), byte)
+        out |= byte << 8 * i
+    return out
+
+
+def test_fp8_decode_formula_cpu():
+    """`dsv41c_decode_frag8` (replayed bit for bit) turns every code byte, at every scale offset j =
+    0..11 it is used with, into the E4M3 bytes of E2M1 x 2^(j - 5) (exact: torch's own E4M3
+    conversion of the ref's values), in the column order `_qperm8` gives the queries; and the
+    fragment words it writes are where the hardware layout `_frag_a8` (which TileLang checks against
+    its wgmma operand) puts those columns."""
+    words = torch.randint(0, 2 ** 32, (4096,), dtype=torch.int64)
+    words[:256] = torch.arange(256) * 0x01010101  # every code byte
+    elems = torch.stack([(words >> 4 * e) & 0xF for e in range(8)], -1)  # nibble e: element e
+    e2m1 = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
+    for j in range(12):
+        lo, hi = 0x14100800 + j * 0x08080800, 0x24201C18 + j * 0x08080808
+        m, w4 = words & 0x77777777, (words << 4) & 0xFFFFFFFF
+        o0 = (_prmt(w4, words, 0x5140) & 0x80808080) | _prmt(torch.full_like(m, lo), torch.full_like(m, hi), m)
+        o1 = (_prmt(w4, words, 0x7362) & 0x80808080) | _prmt(torch.full_like(m, lo), torch.full_like(m, hi), m >> 16)
+        got = torch.stack([(o >> 8 * i) & 0xFF for o in (o0, o1) for i in range(4)], -1)  # bytes: nibbles 0..7
+        want = (e2m1[elems] * 2.0 ** (j - 5)).to(torch.float8_e4m3fn).view(torch.uint8).long()
+        assert torch.equal(got, want), j
+    assert sorted(K._qperm8(c) for c in range(128)) == list(range(128))
+    at = {K._frag_a8(i, c): c for i in range(64) for c in range(128)}  # (thread, byte) -> column
+    assert len(at) == 64 * 128
+    for thread in range(128):
+        block = thread % 4
+        for h in range(2):
+            for q in range(4):  # code word q: output words o0, o1 at fragment words 4q + h, 4q + 2 + h
+                for f in range(2):
+                    for i in range(4):
+                        c = at[thread, (4 * q + 2 * f + h) * 4 + i]
+                        assert K._qperm8(c) == 32 * block + 8 * q + 4 * f + i, (thread, h, q, f, i)
+
+
 def ulp_close(got, ref, seed):
     """Same -inf pattern; finite scores within one bf16 rounding step of the largest, and
     nearly all bit-equal (the tensor cores and torch sum in other orders)."""
@@ -441,8 +485,10 @@ def _sm90_scores_source(cand=False):
 @cuda
 @pytest.mark.parametrize("sets", ({"_BN": 256, "_THREADS": 256, "_CTAS_PER_SM": 2},
                                   {"_BN": 256, "_THREADS": 256, "_CTAS_PER_SM": 3},
-                                  {"_KEYS_IN_REGS": 0}, {"_HEAD_SUM_MMA": 0}, {"_UNGUARDED": 0}),
-                         ids=["2x256", "3x256", "shared_key_tile", "head_sum_by_adds", "guarded"])
+                                  {"_KEYS_IN_REGS": 0}, {"_HEAD_SUM_MMA": 0}, {"_UNGUARDED": 0},
+                                  {"_FP8_KEYS": 1}, {"_FP8_KEYS": 1, "_CTAS_PER_SM": 4}),
+                         ids=["2x256", "3x256", "shared_key_tile", "head_sum_by_adds", "guarded", "fp8_keys",
+                              "fp8_keys_4ctas"])
 def test_cuda_scores_variants(sets, monkeypatch):
     """The scoring's timed build choices other than the defaults (5 CTAs of 128 keys on one
     warpgroup, keys in registers, the head sum on the tensor cores, no TileLang guards) against the
@@ -457,6 +503,55 @@ def test_cuda_scores_variants(sets, monkeypatch):
         test_cuda_scores_prefill(True, 1, 1030, 4)
     finally:
         K.build.cache_clear()
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("h", (16, 32, 64))
+def test_cuda_scores_fp8_keys_fallbacks(h, monkeypatch):
+    """The E4M3 keys' GEMM (`_FP8_KEYS`) where it is exact and the bf16 path where it is not, in one
+    call: batch rows with MXFP4 queries and rows with plain bf16 ones (not E4M3 after any power of
+    two); keys whose scale blocks span more than 11 binades (1 in 50, so some tiles switch to the
+    bf16 path midway through a CTA's walk); a head with w = 0, one with a tiny w; and keys scaled
+    to the edges of the window the queries allow."""
+    monkeypatch.setattr(K, "_FP8_KEYS", 1)
+    K.build.cache_clear()
+    try:
+        seed = fresh_seed()
+        g = torch.Generator().manual_seed(seed)
+        b, n = 4, 20011
+        q, codes, scales, w = make_inputs(b, 1, h, 128, n, seed)
+        q[1] = (torch.randn(1, h, 128, generator=g) * 3).bfloat16()  # not MXFP4
+        w[2, 0, 0] = 0
+        w[2, 0, 1] = 2.0 ** -100
+        wide = torch.rand(b, n + 3, generator=g) < 0.02
+        scales[..., 3] = torch.where(wide, (scales[..., 3].int() + 14).clamp(max=254).to(torch.uint8), scales[..., 3])
+        edge = torch.rand(b, n + 3, generator=g) < 0.02  # all of a key's blocks far up or down
+        shift = torch.where(torch.rand(b, n + 3, 1, generator=g) < 0.5, -100, 100)
+        scales = torch.where(edge[..., None], (scales.int() + shift).clamp(1, 254).to(torch.uint8), scales)
+        cand = torch.rand(b, 1, -(-n // 8), generator=g) < 0.5
+        for c in (None, cand):
+            got, bm = K.index_scores(*(t.cuda() for t in (q, codes, scales, w)), None,
+                                     None if c is None else c.cuda(), n=n, block_max=True)
+            ref, _ = K.index_scores_ref(q, codes, scales, w, None, c, n=n)
+            ulp_close(got.cpu(), ref, seed)
+            assert same(bm, block_max_of(got)), f"seed={seed}"
+    finally:
+        K.build.cache_clear()
+
+
+def test_cuda_scores_fp8_keys_lower_for_sm90(monkeypatch):
+    """Without a GPU: with `_FP8_KEYS` the build holds both GEMMs, the E4M3 one as k32 wgmma on a
+    register A operand (whose layout, `_frag_a8`, TileLang checks against its own), the per-head
+    setup and the tile's vote; without it, none of them."""
+    monkeypatch.setattr(K, "_FP8_KEYS", 1)
+    src = _sm90_scores_source()
+    assert "tl::wgmma_rs<tl::DataType::kFloat8_e4m3, tl::DataType::kFloat8_e4m3, tl::DataType::kFloat32, 64, 32, 32" in src
+    assert "tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 32, 16" in src
+    assert "dsv41c_decode_frag8((" in src and "dsv41c_fp8_head(mx" in src and "__any_sync" in src
+    monkeypatch.setattr(K, "_FP8_KEYS", 0)
+    src = _sm90_scores_source()
+    assert "kFloat8_e4m3" not in src and "dsv41c_fp8_head(mx" not in src and "dsv41c_decode_frag8((" not in src
 
 
 def test_cuda_scores_lower_for_sm90():

@@ -527,6 +527,18 @@ _KEYS_IN_REGS = 1
 # NB, q and w by the grid.  The static tile loop drops 898 -> 823 SASS instructions; 1.08x at
 # batch 32, 256K on an H200 (BENCHMARKS.md).
 _UNGUARDED = 1
+# CUDA scoring: the keys' GEMM on E4M3 operands (wgmma m64n32k32, the keys' register A fragment
+# decoded by byte permutes, `dsv41c_decode_frag8`) wherever that is exact, else the bf16 path in
+# the same kernel.  The index queries are MXFP4 (§6.5(b)): head h's values are E4M3 exactly once
+# divided by 2^m_h, where m_h puts its largest |q| in [256, 512), and m_h goes into the weight,
+# w' = w x 2^m_h.  A key's blocks go in as E2M1 x 2^(s - min_s - 5), which E4M3 holds for a spread
+# of scale bytes s - min_s <= 11, and 2^(min_s - 122) multiplies the key's head sum.  Every power of
+# two commutes with the ref's roundings while no intermediate leaves the normal range, which the
+# kernel checks: per CTA, the queries' E4M3 conversion exact and w' normal; per key, the spread, no
+# NaN scale and min_s in a window set by the query's m_h and w (`_cuda_scores_prim_func`).  A CTA
+# whose query fails, or a tile with a failing key (from that tile on), takes the bf16 path.
+# d 128 with the keys in registers and the head sum on the tensor cores only.
+_FP8_KEYS = 0
 
 # Decode of one key's scale block (16 code bytes, one UE8M0 byte) into 32 bf16 operand values with
 # the scale folded in, on the ALU (no table, no shared memory).  Code nibble j of a 32-bit word
@@ -614,6 +626,79 @@ __device__ __forceinline__ void dsv41c_decode_frag(const void* codes, unsigned s
   for (int r = 0; r < 16; ++r) reinterpret_cast<unsigned*>(frag)[(r / 2) * 4 + (r % 2) * 2 + h] = o[r];
 }
 
+// ---- FP8 keys (`_FP8_KEYS`): E2M1 codes to E4M3 bytes by byte permutes, no multiplies.
+// Byte permute: the bytes of {b, a} picked by the 4 selector nibbles of c (bit 3 of a nibble: the
+// selected byte's sign bit replicated).
+__device__ __forceinline__ unsigned dsv41c_prmt(unsigned a, unsigned b, unsigned c) {
+  unsigned d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+// 16 code bytes at `codes` and the scale offset j = s - (the least scale byte of the key's blocks),
+// 0..11, into the rows h of a wgmma m64k32 E4M3 register A fragment (`_frag_a8`).  Magnitude code
+// c = e1 e0 m goes through an 8-byte table of E4M3(E2M1(c) x 2^(j-5)): every nonzero entry is a
+// normal E4M3 (2^-6 .. 384), j x 8 added to the exponent field, so two IMADs make the table.  The
+// sign of nibble i (bit 4i + 3) goes to bit 7 of byte i: one permute of w << 4 and w takes bytes
+// whose bit 7 is that sign.  Code word q (nibbles 0..3 and 4..7: dims 8q + 0..3 and 8q + 4..7 of
+// the scale block) fills k step q, column halves 0 and 1 (`_qperm8`).
+__device__ __forceinline__ void dsv41c_decode_frag8(const void* codes, unsigned j, void* frag, int h) {
+  uint4 c = *reinterpret_cast<const uint4*>(codes);
+  unsigned words[4] = {c.x, c.y, c.z, c.w};
+  unsigned lo = 0x14100800u + j * 0x08080800u, hi = 0x24201C18u + j * 0x08080808u;
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    unsigned w = words[q], m = w & 0x77777777u, w4 = w << 4;
+    unsigned o0 = (dsv41c_prmt(w4, w, 0x5140u) & 0x80808080u) | dsv41c_prmt(lo, hi, m);
+    unsigned o1 = (dsv41c_prmt(w4, w, 0x7362u) & 0x80808080u) | dsv41c_prmt(lo, hi, m >> 16);
+    reinterpret_cast<unsigned*>(frag)[q * 4 + h] = o0;
+    reinterpret_cast<unsigned*>(frag)[q * 4 + 2 + h] = o1;
+  }
+}
+
+// The largest exponent field among 32 bf16 at p (16-byte aligned).
+__device__ __forceinline__ int dsv41c_max_exp32(const void* p) {
+  unsigned m = 0u;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    uint4 v = reinterpret_cast<const uint4*>(p)[k];
+    unsigned x[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) m = max(m, max(x[e] & 0x7F80u, (x[e] >> 16) & 0x7F80u));
+  }
+  return int(m >> 7);
+}
+
+// Head h of the E4M3 scoring, given mx, the largest exponent field of its query (its 128 bf16):
+// m = mx - 135 puts its largest |q| in [256, 512); *ms = 2^-m divides the query, *ws8 = w x 2^m takes
+// it back.  With K = min_s - 122 a key's own power of two, the ref's q.k is the kernel's fp32 sum
+// (E4M3 products: multiples of 2^-16, below 2^25 in magnitude) times 2^(m + K); its products with w
+// are the kernel's times 2^K, and so is their sum over heads, whose terms are bf16 of at least
+// 2^(m + K + ew - 16) where 2^ew <= |w|.  All of it stays in the normal range, where powers of two
+// commute with every rounding, while m + K lies in -110 .. 101 and (w nonzero) m + K + ew in
+// -103 .. 95: the window of min_s = K + 122 this head allows, intersected into lim[0 .. 1].
+// m + ew in -103 .. 95 keeps w' and the kernel's own products and sums normal.  A head outside
+// these, or with w subnormal, sets *bad (the CTA takes the bf16 path).
+__device__ __forceinline__ void dsv41c_fp8_head(int mx, const void* w, void* ws8, void* ms, int* lim, int* bad) {
+  unsigned wb = *reinterpret_cast<const unsigned short*>(w);
+  int m = mx == 0 ? 0 : mx - 135, wf = int((wb >> 7) & 0xFFu), ew = wf - 127;
+  bool wnz = (wb & 0x7FFFu) != 0u;
+  if (m < -126 || (wnz && (wf == 0 || m + ew < -103 || m + ew > 95))) {
+    m = 0;
+    *bad = 1;
+  }
+  *reinterpret_cast<float*>(ms) = __int_as_float((127 - m) << 23);
+  float wv = __uint_as_float(wb << 16) * __int_as_float((127 + m) << 23);  // exact: a bf16 where not bad
+  *reinterpret_cast<unsigned short*>(ws8) = static_cast<unsigned short>(__float_as_uint(wv) >> 16);
+  int lo = -110 - m, hi = 101 - m;
+  if (wnz) {
+    lo = max(lo, -103 - m - ew);
+    hi = min(hi, 95 - m - ew);
+  }
+  atomicMax(lim, lo + 122);
+  atomicMin(lim + 1, hi + 122);
+}
+
 // -inf into the scores p[0 .. min(left, 8)): one 16-byte store where all 8 are in the row and p is
 // aligned (each lane then writes whole sectors, not 2 bytes of one per store), else one at a time.
 __device__ __forceinline__ void dsv41c_fill_neg_inf8(void* p, int left) {
@@ -643,6 +728,21 @@ def _qperm_regs(c):
     return 32 * lane + 8 * (r // 4) + r % 4 + 4 * e
 
 
+def _qperm8(c):
+    """The key dim in operand column c of the E4M3 register A fragment (`dsv41c_decode_frag8`, d =
+    128): k step q = c // 32, half f, 4-byte group t = the decoding thread's lane % 4 (its scale
+    block), byte e: dim 32 t + 8 q + 4 f + e."""
+    q, f, t, e = c // 32, c % 32 // 16, c % 16 // 4, c % 4
+    return 32 * t + 8 * q + 4 * f + e
+
+
+def _frag_a8(i, c):
+    """(thread, element) of row i, column c of a 64-row wgmma m64k32 8-bit register A fragment (one
+    warpgroup): the hardware's layout, which `dsv41c_decode_frag8` fills (4 bytes a register)."""
+    return (i // 16 * 32 + i % 8 * 4 + c % 16 // 4,
+            c // 32 * 16 + c % 32 // 16 * 8 + i % 16 // 8 * 4 + c % 4)
+
+
 def _frag_a(i, c):
     """(thread, element) of row i, column c of a 64-row wgmma m64k16 register A fragment (one
     warpgroup): the hardware's layout, which `dsv41c_decode_frag` fills and the scoring annotates."""
@@ -657,6 +757,11 @@ def cuda_tiles_per_cta(n: int, rows: int, slots: int | None = None) -> int:
     slots = _CTAS_PER_SM * 132 if slots is None else slots
     tiles = -(-n // _BN)
     return max(1, min(_MAX_TPC, tiles, -(-tiles * rows // slots)))
+
+
+def _pow2(e):
+    """2^e as a float32, for an int32 e in -126 .. 127 (its bits)."""
+    return T.reinterpret(T.shift_left(e + 127, 23), "float32")
 
 
 def _cuda_scores_prim_func(H, d, visible, cand, bmax):
@@ -712,6 +817,7 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
     # live at a time), each over the units 2 mt, 2 mt + 1 (the thread's rows of m tile mt)
     gm = 64 if regs else _BN
     passes = _BN // gm
+    fp8 = bool(_FP8_KEYS) and regs and mma_sum
     neg_inf = T.float32(-T.infinity("float32"))
 
     def row_key(LS, bx, tpc, it, r, nc):
@@ -746,7 +852,7 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
             else:
                 for e in T.vectorized(16):
                     cl[u, e] = T.uint8(0)
-                sl[u] = T.uint8(0)
+                sl[u] = T.uint8(127 if fp8 else 0)  # zero codes: 0 at any scale; 127 passes the E4M3 test
 
     @T.prim_func
     def main(Q: T.Tensor((B, S, H, d), "bfloat16"), CODES: T.Tensor((B, NC, d // 2), "uint8"),
@@ -776,6 +882,22 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                 hsum = T.alloc_fragment((gm, 8), "float32")
             else:
                 rsum = T.alloc_fragment((gm,), "float32")
+            if fp8:
+                Qs8 = T.alloc_shared((H, d), "float8_e4m3fn")
+                As8 = T.alloc_fragment((gm, d), "float8_e4m3fn")
+                T.annotate_layout({As8: T.Fragment((gm, d), forward_thread_fn=lambda i, c: _frag_a8(i, c)[0],
+                                                   forward_index_fn=lambda i, c: _frag_a8(i, c)[1])})
+                Ws8 = T.alloc_shared((H,), "bfloat16")  # w x 2^m_h
+                MS = T.alloc_shared((H,), "float32")  # 2^-m_h
+                KS = T.alloc_shared((_BN,), "float32")  # the tile's keys' 2^(min_s - 122), 1 on the bf16 path
+                LIM = T.alloc_shared((2,), "int32")  # the window of min_s the query allows
+                BAD = T.alloc_shared((1,), "int32")  # sticky: the bf16 path from here on
+                mnl = T.alloc_local((units,), "int32")
+                mnlo = T.alloc_var("int32")
+                mnhi = T.alloc_var("int32")
+                fast = T.alloc_var("int32")
+                okv = T.alloc_var("int32")
+                mx = T.alloc_var("int32")
             cl = T.alloc_local((units, 16), "uint8")
             sl = T.alloc_local((units,), "uint8")
             if not regs:
@@ -792,6 +914,36 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
             if mma_sum:
                 for j, h in T.Parallel(8, H):
                     ones[j, h] = T.bfloat16(1)
+            if fp8:
+                if tx == 0:
+                    LIM[0] = 0
+                    LIM[1] = 249  # 2^(min_s - 122) a normal float
+                    BAD[0] = 0
+                T.sync_threads()
+                # per head (the 4 threads of item 4h .. 4h + 3, one scale block each): m_h from the
+                # largest exponent field, then w' and the window of min_s (`_FP8_KEYS`)
+                for k in T.unroll(-(-H * 4 // _THREADS)):
+                    item = k * _THREADS + tx
+                    mx = 0
+                    if item < H * 4:
+                        mx = T.call_extern("int32", "dsv41c_max_exp32", T.address_of(Q[b, s, item // 4, item % 4 * 32]))
+                    mx = T.max(mx, T.shfl_xor(mx, 1))
+                    mx = T.max(mx, T.shfl_xor(mx, 2))
+                    if T.And(item < H * 4, item % 4 == 0):
+                        T.call_extern("handle", "dsv41c_fp8_head", mx, T.address_of(W[b, s, item // 4]),
+                                      T.address_of(Ws8[item // 4]), T.address_of(MS[item // 4]),
+                                      T.address_of(LIM[0]), T.address_of(BAD[0]))
+                T.sync_threads()
+                for h, c in T.Parallel(H, d):
+                    Qs8[h, c] = T.Cast("float8_e4m3fn", T.Cast("float32", Q[b, s, h, _qperm8(c)]) * MS[h])
+                    if T.Or(T.Cast("float32", T.Cast("float8_e4m3fn", T.Cast("float32", Q[b, s, h, _qperm8(c)]) * MS[h]))
+                            != T.Cast("float32", Q[b, s, h, _qperm8(c)]) * MS[h],
+                            T.And(T.Cast("float32", Q[b, s, h, _qperm8(c)]) * MS[h] == T.float32(0),
+                                  T.Cast("float32", Q[b, s, h, _qperm8(c)]) != T.float32(0))):
+                        BAD[0] = 1
+                T.sync_threads()
+                mnlo = LIM[0]
+                mnhi = LIM[1]
             lim = T.min(N, VL[s]) if visible else N
             nc = 0
             walk = tpc
@@ -827,11 +979,37 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                 load(CODES, SCALES, LS, cl, sl, b, bx, tpc, 0, nc, lim, tx, mt)
             for it in T.serial(walk):
                 t, listed = row_key(LS, bx, tpc, it, tx, nc)  # this thread's key in the epilogue
+                if fp8:  # the tile's keys on the E4M3 path? (each thread its units; a warp vote)
+                    okv = 1
+                    for u in T.unroll(units):
+                        mnl[u] = T.Cast("int32", sl[u])
+                        mnl[u] = T.min(mnl[u], T.shfl_xor(mnl[u], 1))
+                        mnl[u] = T.min(mnl[u], T.shfl_xor(mnl[u], 2))
+                        okv = T.Select(T.And(T.And(T.Cast("int32", sl[u]) - mnl[u] <= 11, sl[u] != T.uint8(255)),
+                                             T.And(mnl[u] >= mnlo, mnl[u] <= mnhi)), okv, 0)
+                    if T.call_extern("int32", "__any_sync", _u(0xFFFFFFFF), T.Cast("int32", okv == 0)) != 0:
+                        if tx % 32 == 0:
+                            BAD[0] = 1
                 # (a barrier: the previous tile's readers of As and Rs are done)
                 live = T.call_extern("int32", "__syncthreads_or", T.Cast("int32", T.And(listed, t < lim)))
+                if fp8:
+                    fast = T.Cast("int32", BAD[0] == 0)  # read before the epilogue's barrier: uniform
                 for mt in T.unroll(passes):
                     if live != 0:
-                        if regs:
+                        if fp8:
+                            for h2 in T.unroll(2):
+                                u = 2 * mt + h2
+                                r, _ = unit_key(tx, u)
+                                if fast != 0:
+                                    T.call_extern("handle", "dsv41c_decode_frag8", T.address_of(cl[u, 0]),
+                                                  T.Cast("uint32", T.Cast("int32", sl[u]) - mnl[u]), T.address_of(As8[0, 0]), h2)
+                                else:
+                                    T.call_extern("handle", "dsv41c_decode_frag", T.address_of(cl[u, 0]),
+                                                  T.Cast("uint32", sl[u]), T.address_of(As[0, 0]), h2)
+                                if tx % 4 == 0:
+                                    KS[r] = T.Select(fast != 0, _pow2(mnl[u] - 122),
+                                                     T.float32(1))
+                        elif regs:
                             for h2 in T.unroll(2):
                                 T.call_extern("handle", "dsv41c_decode_frag", T.address_of(cl[2 * mt + h2, 0]),
                                               T.Cast("uint32", sl[2 * mt + h2]), T.address_of(As[0, 0]), h2)
@@ -848,12 +1026,25 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                     if not regs:
                         T.sync_threads()  # As is written
                     if live != 0:
-                        T.gemm(As, Qs, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                        if mma_sum:
+                        if fp8:
                             # bf16 products (rounded once: the ref's bf16(relu(bf16(s)) * w)), summed
                             # over heads by the tensor cores in fp32 (each product x 1 exact)
-                            for i, h in T.Parallel(gm, H):
-                                prod[i, h] = T.max(T.Cast("bfloat16", acc[i, h]), T.bfloat16(0)) * Ws[h]
+                            if fast != 0:
+                                T.gemm(As8, Qs8, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                                for i, h in T.Parallel(gm, H):
+                                    prod[i, h] = T.max(T.Cast("bfloat16", acc[i, h]), T.bfloat16(0)) * Ws8[h]
+                            else:
+                                T.gemm(As, Qs, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                                for i, h in T.Parallel(gm, H):
+                                    prod[i, h] = T.max(T.Cast("bfloat16", acc[i, h]), T.bfloat16(0)) * Ws[h]
+                        else:
+                            T.gemm(As, Qs, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                        if mma_sum:
+                            if not fp8:
+                                # bf16 products (rounded once: the ref's bf16(relu(bf16(s)) * w)), summed
+                                # over heads by the tensor cores in fp32 (each product x 1 exact)
+                                for i, h in T.Parallel(gm, H):
+                                    prod[i, h] = T.max(T.Cast("bfloat16", acc[i, h]), T.bfloat16(0)) * Ws[h]
                             T.gemm(prod, ones, hsum, transpose_B=True, clear_accum=True,
                                    policy=T.GemmWarpPolicy.FullRow)
                             for i, j in T.Parallel(gm, 8):
@@ -869,7 +1060,7 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                                 Rs[mt * gm + i] = rsum[i]
                 T.sync_threads()
                 # (a skipped tile reads stale sums here; every one of its scores is masked below)
-                sv = T.Cast("float32", T.Cast("bfloat16", Rs[tx]))
+                sv = T.Cast("float32", T.Cast("bfloat16", Rs[tx] * KS[tx] if fp8 else Rs[tx]))
                 sv = T.Select(sv == T.float32(0), T.float32(0), sv)  # -0 -> +0
                 if visible:
                     sv = T.Select(t >= VL[s], neg_inf, sv)
