@@ -486,9 +486,8 @@ def _sm90_scores_source(cand=False):
 @pytest.mark.parametrize("sets", ({"_BN": 256, "_THREADS": 256, "_CTAS_PER_SM": 2},
                                   {"_BN": 256, "_THREADS": 256, "_CTAS_PER_SM": 3},
                                   {"_KEYS_IN_REGS": 0}, {"_HEAD_SUM_MMA": 0}, {"_UNGUARDED": 0},
-                                  {"_FP8_KEYS": 1}, {"_FP8_KEYS": 1, "_CTAS_PER_SM": 4}),
-                         ids=["2x256", "3x256", "shared_key_tile", "head_sum_by_adds", "guarded", "fp8_keys",
-                              "fp8_keys_4ctas"])
+                                  {"_FP8_KEYS": 0}),
+                         ids=["2x256", "3x256", "shared_key_tile", "head_sum_by_adds", "guarded", "bf16_keys"])
 def test_cuda_scores_variants(sets, monkeypatch):
     """The scoring's timed build choices other than the defaults (5 CTAs of 128 keys on one
     warpgroup, keys in registers, the head sum on the tensor cores, no TileLang guards) against the
@@ -507,14 +506,17 @@ def test_cuda_scores_variants(sets, monkeypatch):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("h", (16, 32, 64))
-def test_cuda_scores_fp8_keys_fallbacks(h, monkeypatch):
+@pytest.mark.parametrize("h,sets", ((16, {}), (32, {}), (64, {}), (32, {"_FP8_SPLIT_SLOW": 1, "_FP8_CTAS_PER_SM": 5})),
+                         ids=["16", "32", "64", "32_split_5ctas"])
+def test_cuda_scores_fp8_keys_fallbacks(h, sets, monkeypatch):
     """The E4M3 keys' GEMM (`_FP8_KEYS`) where it is exact and the bf16 path where it is not, in one
     call: batch rows with MXFP4 queries and rows with plain bf16 ones (not E4M3 after any power of
     two); keys whose scale blocks span more than 11 binades (1 in 50, so some tiles switch to the
     bf16 path midway through a CTA's walk); a head with w = 0, one with a tiny w; and keys scaled
-    to the edges of the window the queries allow."""
+    to the edges of the window the queries allow.  (With candidate blocks the bf16 build runs.)"""
     monkeypatch.setattr(K, "_FP8_KEYS", 1)
+    for name, value in sets.items():
+        monkeypatch.setattr(K, name, value)
     K.build.cache_clear()
     try:
         seed = fresh_seed()
@@ -543,21 +545,31 @@ def test_cuda_scores_fp8_keys_fallbacks(h, monkeypatch):
 def test_cuda_scores_fp8_keys_lower_for_sm90(monkeypatch):
     """Without a GPU: with `_FP8_KEYS` the build holds both GEMMs, the E4M3 one as k32 wgmma on a
     register A operand (whose layout, `_frag_a8`, TileLang checks against its own), the per-head
-    setup and the tile's vote; without it, none of them."""
+    setup and the tile's vote (the candidate-gathering build excepted); without it, none of them."""
     monkeypatch.setattr(K, "_FP8_KEYS", 1)
     src = _sm90_scores_source()
     assert "tl::wgmma_rs<tl::DataType::kFloat8_e4m3, tl::DataType::kFloat8_e4m3, tl::DataType::kFloat32, 64, 32, 32" in src
     assert "tl::wgmma_rs<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, 32, 16" in src
     assert "dsv41c_decode_frag8((" in src and "dsv41c_fp8_head(mx" in src and "__any_sync" in src
+    assert "dsv41c_decode_frag_half((" not in src
+    assert f"__launch_bounds__({K._THREADS}, {K._FP8_CTAS_PER_SM})" in src
+    # the per-tile barriers of the bf16 build (below), and three once per CTA: the setup's shared
+    # words set, the heads' powers of two and window, the E4M3 query tile written
+    assert src.count("__syncthreads();") == 4 and src.count("__syncthreads_or(") == 1
+    assert "kFloat8_e4m3" not in _sm90_scores_source(cand=True)  # the candidate-gathering build: bf16
+    monkeypatch.setattr(K, "_FP8_SPLIT_SLOW", 1)  # the bf16 path in two k halves
+    src = _sm90_scores_source()
+    assert src.count("dsv41c_decode_frag_half((") == 2 and "dsv41c_decode_frag((" not in src
     monkeypatch.setattr(K, "_FP8_KEYS", 0)
     src = _sm90_scores_source()
     assert "kFloat8_e4m3" not in src and "dsv41c_fp8_head(mx" not in src and "dsv41c_decode_frag8((" not in src
 
 
-def test_cuda_scores_lower_for_sm90():
-    """Without a GPU: the decode build lowers with the warp vote for the one-multiply decode, the
-    epilogue's relu and weight product on bf16 pairs summed over heads by a second wgmma (register
-    A operand), and launch bounds for `_CTAS_PER_SM` CTAs."""
+def test_cuda_scores_lower_for_sm90(monkeypatch):
+    """Without a GPU: the decode build with bf16 keys lowers with the warp vote for the one-multiply
+    decode, the epilogue's relu and weight product on bf16 pairs summed over heads by a second
+    wgmma (register A operand), and launch bounds for `_CTAS_PER_SM` CTAs."""
+    monkeypatch.setattr(K, "_FP8_KEYS", 0)
     src = _sm90_scores_source()
     assert "dsv41c_decode_block" in src and "__all_sync(0xffffffffu, s <= 128u)" in src
     assert "tl::mul2(" in src and "tl::max2(" in src
@@ -752,10 +764,10 @@ def test_cuda_topk_given_the_funnel_flags(b, s, n, k, monkeypatch):
 
 @pytest.mark.gpu
 @cuda
-def test_cuda_topk_candidates_unguarded(monkeypatch):
-    """The candidate-mode select built without TileLang's bounds guards (`_SEL_UNGUARDED`), on the
-    candidate and funnel-flag cases above."""
-    monkeypatch.setattr(K, "_SEL_UNGUARDED", 1)
+def test_cuda_topk_candidates_guarded(monkeypatch):
+    """The candidate-mode select built with TileLang's bounds guards (`_SEL_UNGUARDED` 0; the
+    default drops them), on the candidate and funnel-flag cases above."""
+    monkeypatch.setattr(K, "_SEL_UNGUARDED", 0)
     K.build.cache_clear()  # builds are cached per op key, which does not name the switch
     try:
         for case in ((4, 5, 8195, 512, 0.06), (40, 15, 20000, 64, 0.3), (2, 3, 3001, 1, 0.01), (1, 1, 262144, 512, 0.0625)):

@@ -391,7 +391,7 @@ def _scores_impl(q, codes, scales, w, visible_len, cand_blocks, n, block_max):
     args.append(_bits(sc, target))
     args.append(_bits(bm, target) if block_max else _bits(q.new_empty(1), target))
     if target != "c":
-        args.append(cuda_tiles_per_cta(n, b * s))
+        args.append(cuda_tiles_per_cta(n, b * s, scoring_ctas_per_sm(h, d, cand_blocks is not None) * 132))
     kernel(*args)
     return sc, bm
 
@@ -537,8 +537,26 @@ _UNGUARDED = 1
 # kernel checks: per CTA, the queries' E4M3 conversion exact and w' normal; per key, the spread, no
 # NaN scale and min_s in a window set by the query's m_h and w (`_cuda_scores_prim_func`).  A CTA
 # whose query fails, or a tile with a failing key (from that tile on), takes the bf16 path.
-# d 128 with the keys in registers and the head sum on the tensor cores only.
-_FP8_KEYS = 0
+# d 128 with the keys in registers and the head sum on the tensor cores only, and not for the
+# candidate-gathering build (Reindex), whose CTAs walk a tile or two: there the per-CTA setup costs
+# more than the GEMM saves.  At batch 32, 256K on an H200: 308.7 -> 277.6 us at 4 CTAs per SM
+# (5 spill registers: 370 us); Reindex would go 62.7 -> 85.7 us (BENCHMARKS.md).
+_FP8_KEYS = 1
+_FP8_CTAS_PER_SM = 4  # scoring CTAs per SM of the E4M3 build (its register budget: 127 without spills)
+# the E4M3 build's bf16 path in two GEMMs of k 64 (a half-width fragment, 16 registers fewer)
+_FP8_SPLIT_SLOW = 0
+
+
+def fp8_scoring(H: int, d: int, cand: bool) -> bool:
+    """Whether the CUDA scoring build for H heads of width d (candidate gathering `cand`) takes
+    the E4M3 keys' GEMM (`_FP8_KEYS`)."""
+    return (bool(_FP8_KEYS) and d == 128 and _BN == _THREADS == 128 and bool(_KEYS_IN_REGS)
+            and bool(_HEAD_SUM_MMA) and H % 16 == 0 and not cand)
+
+
+def scoring_ctas_per_sm(H: int, d: int, cand: bool) -> int:
+    """Resident scoring CTAs per SM that the build's launch bounds and tile plan assume."""
+    return _FP8_CTAS_PER_SM if fp8_scoring(H, d, cand) else _CTAS_PER_SM
 
 # Decode of one key's scale block (16 code bytes, one UE8M0 byte) into 32 bf16 operand values with
 # the scale folded in, on the ALU (no table, no shared memory).  Code nibble j of a 32-bit word
@@ -587,6 +605,22 @@ __device__ __forceinline__ void dsv41c_e2m1_words(unsigned w, unsigned* x) {
   x[3] = __funnelshift_r(v23, hi, 6) & m;
 }
 
+// The n words o[] of E2M1 x 2^-126 times the scale 2^(s-127) of UE8M0 byte s.
+template <int n>
+__device__ __forceinline__ void dsv41c_scale_words(unsigned s, unsigned* o) {
+  if (__all_sync(0xffffffffu, s <= 128u)) {
+    unsigned f = (s + 126u) << 7;  // bf16 bits of 2^(s-1)
+    f |= f << 16;
+#pragma unroll
+    for (int r = 0; r < n; ++r) o[r] = dsv41c_mul_bf16x2(o[r], f);
+  } else {
+    unsigned sb = s == 0u ? 0x0040u : (s == 255u ? 0x7FC0u : s << 7);  // bf16 bits of 2^(s-127)
+    unsigned scale2 = sb | (sb << 16);
+#pragma unroll
+    for (int r = 0; r < n; ++r) o[r] = dsv41c_mul_bf16x2(dsv41c_mul_bf16x2(o[r], 0x7E807E80u), scale2);
+  }
+}
+
 // 16 code bytes at `codes` (16-byte aligned registers) and scale byte `s` -> the 16 bf16x2 words
 // o[4q + i] (nibbles i and i + 4 of code word q: dims 8q + i and 8q + i + 4 of the scale block).
 __device__ __forceinline__ void dsv41c_decode16(const void* codes, unsigned s, unsigned* o) {
@@ -594,17 +628,19 @@ __device__ __forceinline__ void dsv41c_decode16(const void* codes, unsigned s, u
   unsigned words[4] = {c.x, c.y, c.z, c.w};
 #pragma unroll
   for (int q = 0; q < 4; ++q) dsv41c_e2m1_words(words[q], o + 4 * q);
-  if (__all_sync(0xffffffffu, s <= 128u)) {
-    unsigned f = (s + 126u) << 7;  // bf16 bits of 2^(s-1)
-    f |= f << 16;
+  dsv41c_scale_words<16>(s, o);
+}
+
+// Code words 2k and 2k + 1 of a unit (8 bytes at `codes`) into the half-width (k 64) register A
+// fragment of its k half k, rows h: the words 8k .. 8k + 7 of `dsv41c_decode_frag`.
+__device__ __forceinline__ void dsv41c_decode_frag_half(const void* codes, unsigned s, void* frag, int h) {
+  uint2 c = *reinterpret_cast<const uint2*>(codes);
+  unsigned o[8];
+  dsv41c_e2m1_words(c.x, o);
+  dsv41c_e2m1_words(c.y, o + 4);
+  dsv41c_scale_words<8>(s, o);
 #pragma unroll
-    for (int r = 0; r < 16; ++r) o[r] = dsv41c_mul_bf16x2(o[r], f);
-  } else {
-    unsigned sb = s == 0u ? 0x0040u : (s == 255u ? 0x7FC0u : s << 7);  // bf16 bits of 2^(s-127)
-    unsigned scale2 = sb | (sb << 16);
-#pragma unroll
-    for (int r = 0; r < 16; ++r) o[r] = dsv41c_mul_bf16x2(dsv41c_mul_bf16x2(o[r], 0x7E807E80u), scale2);
-  }
+  for (int r = 0; r < 8; ++r) reinterpret_cast<unsigned*>(frag)[(r / 2) * 4 + (r % 2) * 2 + h] = o[r];
 }
 
 // The same as 32 bf16 at `out` (16-byte aligned), word 4q + i at out word 4q + i.
@@ -817,7 +853,8 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
     # live at a time), each over the units 2 mt, 2 mt + 1 (the thread's rows of m tile mt)
     gm = 64 if regs else _BN
     passes = _BN // gm
-    fp8 = bool(_FP8_KEYS) and regs and mma_sum
+    fp8 = fp8_scoring(H, d, cand)
+    split = fp8 and bool(_FP8_SPLIT_SLOW)
     neg_inf = T.float32(-T.infinity("float32"))
 
     def row_key(LS, bx, tpc, it, r, nc):
@@ -862,12 +899,17 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
              SC: T.Tensor((B, S, N), "bfloat16"), BM: T.Tensor((B, S, NB) if bmax else (1,), "bfloat16"),
              tpc: T.int32):
         with T.Kernel(S, T.ceildiv(N, _BN * tpc), B, threads=_THREADS, prelude=_DECODE_PRELUDE) as (s, bx, b):
-            T.annotate_min_blocks_per_sm(_CTAS_PER_SM)  # the plan's CTAs per SM, in the register budget
+            T.annotate_min_blocks_per_sm(scoring_ctas_per_sm(H, d, cand))  # the plan's CTAs per SM, in the register budget
             tx = T.get_thread_binding()
-            Qs = T.alloc_shared((H, d), "bfloat16")
+            if split:  # the two k halves of the bf16 path's operands
+                Qs = T.alloc_shared((H, d // 2), "bfloat16")
+                Qs1 = T.alloc_shared((H, d // 2), "bfloat16")
+            else:
+                Qs = T.alloc_shared((H, d), "bfloat16")
             if regs:  # the wgmma m64k16 register A layout, which dsv41c_decode_frag fills by hand
-                As = T.alloc_fragment((gm, d), "bfloat16")
-                T.annotate_layout({As: T.Fragment((gm, d), forward_thread_fn=lambda i, c: _frag_a(i, c)[0],
+                ka = d // 2 if split else d
+                As = T.alloc_fragment((gm, ka), "bfloat16")
+                T.annotate_layout({As: T.Fragment((gm, ka), forward_thread_fn=lambda i, c: _frag_a(i, c)[0],
                                                   forward_index_fn=lambda i, c: _frag_a(i, c)[1])})
             else:
                 As = T.alloc_shared((_BN, d), "bfloat16")
@@ -907,8 +949,13 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
             nc = T.alloc_var("int32")
             walk = T.alloc_var("int32")
             base = T.alloc_var("int32")
-            for h, c in T.Parallel(H, d):
-                Qs[h, c] = Q[b, s, h, qperm(c)]
+            if split:
+                for h, c in T.Parallel(H, d // 2):
+                    Qs[h, c] = Q[b, s, h, qperm(c)]
+                    Qs1[h, c] = Q[b, s, h, qperm(d // 2 + c)]
+            else:
+                for h, c in T.Parallel(H, d):
+                    Qs[h, c] = Q[b, s, h, qperm(c)]
             for h in T.Parallel(H):
                 Ws[h] = W[b, s, h]
             if mma_sum:
@@ -1003,7 +1050,7 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                                 if fast != 0:
                                     T.call_extern("handle", "dsv41c_decode_frag8", T.address_of(cl[u, 0]),
                                                   T.Cast("uint32", T.Cast("int32", sl[u]) - mnl[u]), T.address_of(As8[0, 0]), h2)
-                                else:
+                                elif not split:
                                     T.call_extern("handle", "dsv41c_decode_frag", T.address_of(cl[u, 0]),
                                                   T.Cast("uint32", sl[u]), T.address_of(As[0, 0]), h2)
                                 if tx % 4 == 0:
@@ -1022,7 +1069,11 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                                     for e in T.vectorized(8):
                                         As[r, j * 32 + q * 8 + e] = al[q * 8 + e]
                     if it + 1 < walk:  # the next tile's bytes travel during this tile's GEMM
-                        load(CODES, SCALES, LS, cl, sl, b, bx, tpc, it + 1, nc, lim, tx, mt)
+                        if split:
+                            if fast != 0:
+                                load(CODES, SCALES, LS, cl, sl, b, bx, tpc, it + 1, nc, lim, tx, mt)
+                        else:
+                            load(CODES, SCALES, LS, cl, sl, b, bx, tpc, it + 1, nc, lim, tx, mt)
                     if not regs:
                         T.sync_threads()  # As is written
                     if live != 0:
@@ -1034,7 +1085,20 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                                 for i, h in T.Parallel(gm, H):
                                     prod[i, h] = T.max(T.Cast("bfloat16", acc[i, h]), T.bfloat16(0)) * Ws8[h]
                             else:
-                                T.gemm(As, Qs, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                                if split:  # decoded here, a k half at a time; the next tile's bytes after
+                                    for h2 in T.unroll(2):
+                                        T.call_extern("handle", "dsv41c_decode_frag_half", T.address_of(cl[2 * mt + h2, 0]),
+                                                      T.Cast("uint32", sl[2 * mt + h2]), T.address_of(As[0, 0]), h2)
+                                    T.gemm(As, Qs, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                                    for h2 in T.unroll(2):
+                                        T.call_extern("handle", "dsv41c_decode_frag_half", T.address_of(cl[2 * mt + h2, 8]),
+                                                      T.Cast("uint32", sl[2 * mt + h2]), T.address_of(As[0, 0]), h2)
+                                    T.gemm(As, Qs1, acc, transpose_B=True, clear_accum=False, policy=T.GemmWarpPolicy.FullRow)
+                                    if it + 1 < walk:
+                                        load(CODES, SCALES, LS, cl, sl, b, bx, tpc, it + 1, nc, lim, tx, mt)
+                                else:
+                                    T.gemm(As, Qs, acc, transpose_B=True, clear_accum=True,
+                                           policy=T.GemmWarpPolicy.FullRow)
                                 for i, h in T.Parallel(gm, H):
                                     prod[i, h] = T.max(T.Cast("bfloat16", acc[i, h]), T.bfloat16(0)) * Ws[h]
                         else:
@@ -1083,8 +1147,9 @@ _SEL_GATHER_CHUNKS = 3  # CUDA select: the fewest chunks a part spans for the ca
 # access in range by construction or guarded here: the flags by the window (blk < pb0 + pbn <=
 # ceil(N / 8) = NB: `_topk_impl` checks the flags' shape); the score loads at
 # min(i, N - 1) (n > k >= 1); PART at parts q < p and bins ctl[2] (+ 1) of find_bin; the output
-# slots by an explicit < KO.  Not yet run on a GPU: off.
-_SEL_UNGUARDED = 0
+# slots by an explicit < KO.  On an H200 at batch 32, 256K, side by side: Reindex 62.7 -> 61.3 us,
+# score+topk 348.0 -> 346.4 us (BENCHMARKS.md).
+_SEL_UNGUARDED = 1
 SELECT_PHASES = ("hist0", "hist1", "emit")
 
 # The select's key loads: 8 consecutive bf16 scores as one 16-byte load where they are whole and
