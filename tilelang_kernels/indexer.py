@@ -391,7 +391,7 @@ def _scores_impl(q, codes, scales, w, visible_len, cand_blocks, n, block_max):
     args.append(_bits(sc, target))
     args.append(_bits(bm, target) if block_max else _bits(q.new_empty(1), target))
     if target != "c":
-        args.append(cuda_tiles_per_cta(n, b * s, scoring_ctas_per_sm(h, d, cand_blocks is not None) * 132))
+        args.append(cuda_tiles_per_cta(n, b * s))
     kernel(*args)
     return sc, bm
 
@@ -539,12 +539,10 @@ _UNGUARDED = 1
 # whose query fails, or a tile with a failing key (from that tile on), takes the bf16 path.
 # d 128 with the keys in registers and the head sum on the tensor cores only, and not for the
 # candidate-gathering build (Reindex), whose CTAs walk a tile or two: there the per-CTA setup costs
-# more than the GEMM saves.  At batch 32, 256K on an H200: 308.7 -> 277.6 us at 4 CTAs per SM
-# (5 spill registers: 370 us); Reindex would go 62.7 -> 85.7 us (BENCHMARKS.md).
+# more than the GEMM saves.  The bf16 path runs as two GEMMs of k 64 (a half-width fragment: 95
+# registers, no spills at 5 CTAs per SM; with the whole fragment it spills there).  At batch 32,
+# 256K on an H200: 308.7 -> 270.7 us; Reindex would go 62.7 -> 85.7 us (BENCHMARKS.md).
 _FP8_KEYS = 1
-_FP8_CTAS_PER_SM = 4  # scoring CTAs per SM of the E4M3 build (its register budget: 127 without spills)
-# the E4M3 build's bf16 path in two GEMMs of k 64 (a half-width fragment, 16 registers fewer)
-_FP8_SPLIT_SLOW = 0
 
 
 def fp8_scoring(H: int, d: int, cand: bool) -> bool:
@@ -552,11 +550,6 @@ def fp8_scoring(H: int, d: int, cand: bool) -> bool:
     the E4M3 keys' GEMM (`_FP8_KEYS`)."""
     return (bool(_FP8_KEYS) and d == 128 and _BN == _THREADS == 128 and bool(_KEYS_IN_REGS)
             and bool(_HEAD_SUM_MMA) and H % 16 == 0 and not cand)
-
-
-def scoring_ctas_per_sm(H: int, d: int, cand: bool) -> int:
-    """Resident scoring CTAs per SM that the build's launch bounds and tile plan assume."""
-    return _FP8_CTAS_PER_SM if fp8_scoring(H, d, cand) else _CTAS_PER_SM
 
 # Decode of one key's scale block (16 code bytes, one UE8M0 byte) into 32 bf16 operand values with
 # the scale folded in, on the ALU (no table, no shared memory).  Code nibble j of a 32-bit word
@@ -854,7 +847,6 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
     gm = 64 if regs else _BN
     passes = _BN // gm
     fp8 = fp8_scoring(H, d, cand)
-    split = fp8 and bool(_FP8_SPLIT_SLOW)
     neg_inf = T.float32(-T.infinity("float32"))
 
     def row_key(LS, bx, tpc, it, r, nc):
@@ -899,15 +891,15 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
              SC: T.Tensor((B, S, N), "bfloat16"), BM: T.Tensor((B, S, NB) if bmax else (1,), "bfloat16"),
              tpc: T.int32):
         with T.Kernel(S, T.ceildiv(N, _BN * tpc), B, threads=_THREADS, prelude=_DECODE_PRELUDE) as (s, bx, b):
-            T.annotate_min_blocks_per_sm(scoring_ctas_per_sm(H, d, cand))  # the plan's CTAs per SM, in the register budget
+            T.annotate_min_blocks_per_sm(_CTAS_PER_SM)  # the plan's CTAs per SM, in the register budget
             tx = T.get_thread_binding()
-            if split:  # the two k halves of the bf16 path's operands
+            if fp8:  # the two k halves of the bf16 path's operands (its GEMM in two)
                 Qs = T.alloc_shared((H, d // 2), "bfloat16")
                 Qs1 = T.alloc_shared((H, d // 2), "bfloat16")
             else:
                 Qs = T.alloc_shared((H, d), "bfloat16")
             if regs:  # the wgmma m64k16 register A layout, which dsv41c_decode_frag fills by hand
-                ka = d // 2 if split else d
+                ka = d // 2 if fp8 else d
                 As = T.alloc_fragment((gm, ka), "bfloat16")
                 T.annotate_layout({As: T.Fragment((gm, ka), forward_thread_fn=lambda i, c: _frag_a(i, c)[0],
                                                   forward_index_fn=lambda i, c: _frag_a(i, c)[1])})
@@ -949,7 +941,7 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
             nc = T.alloc_var("int32")
             walk = T.alloc_var("int32")
             base = T.alloc_var("int32")
-            if split:
+            if fp8:
                 for h, c in T.Parallel(H, d // 2):
                     Qs[h, c] = Q[b, s, h, qperm(c)]
                     Qs1[h, c] = Q[b, s, h, qperm(d // 2 + c)]
@@ -1047,12 +1039,9 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                             for h2 in T.unroll(2):
                                 u = 2 * mt + h2
                                 r, _ = unit_key(tx, u)
-                                if fast != 0:
+                                if fast != 0:  # (the bf16 path decodes a k half at a time, at its GEMMs)
                                     T.call_extern("handle", "dsv41c_decode_frag8", T.address_of(cl[u, 0]),
                                                   T.Cast("uint32", T.Cast("int32", sl[u]) - mnl[u]), T.address_of(As8[0, 0]), h2)
-                                elif not split:
-                                    T.call_extern("handle", "dsv41c_decode_frag", T.address_of(cl[u, 0]),
-                                                  T.Cast("uint32", sl[u]), T.address_of(As[0, 0]), h2)
                                 if tx % 4 == 0:
                                     KS[r] = T.Select(fast != 0, _pow2(mnl[u] - 122),
                                                      T.float32(1))
@@ -1069,7 +1058,7 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                                     for e in T.vectorized(8):
                                         As[r, j * 32 + q * 8 + e] = al[q * 8 + e]
                     if it + 1 < walk:  # the next tile's bytes travel during this tile's GEMM
-                        if split:
+                        if fp8:  # (the bf16 path's decode reads this pass's bytes after its first GEMM)
                             if fast != 0:
                                 load(CODES, SCALES, LS, cl, sl, b, bx, tpc, it + 1, nc, lim, tx, mt)
                         else:
@@ -1084,21 +1073,17 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                                 T.gemm(As8, Qs8, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                                 for i, h in T.Parallel(gm, H):
                                     prod[i, h] = T.max(T.Cast("bfloat16", acc[i, h]), T.bfloat16(0)) * Ws8[h]
-                            else:
-                                if split:  # decoded here, a k half at a time; the next tile's bytes after
-                                    for h2 in T.unroll(2):
-                                        T.call_extern("handle", "dsv41c_decode_frag_half", T.address_of(cl[2 * mt + h2, 0]),
-                                                      T.Cast("uint32", sl[2 * mt + h2]), T.address_of(As[0, 0]), h2)
-                                    T.gemm(As, Qs, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                                    for h2 in T.unroll(2):
-                                        T.call_extern("handle", "dsv41c_decode_frag_half", T.address_of(cl[2 * mt + h2, 8]),
-                                                      T.Cast("uint32", sl[2 * mt + h2]), T.address_of(As[0, 0]), h2)
-                                    T.gemm(As, Qs1, acc, transpose_B=True, clear_accum=False, policy=T.GemmWarpPolicy.FullRow)
-                                    if it + 1 < walk:
-                                        load(CODES, SCALES, LS, cl, sl, b, bx, tpc, it + 1, nc, lim, tx, mt)
-                                else:
-                                    T.gemm(As, Qs, acc, transpose_B=True, clear_accum=True,
-                                           policy=T.GemmWarpPolicy.FullRow)
+                            else:  # decoded here, a k half at a time; the next tile's bytes after
+                                for h2 in T.unroll(2):
+                                    T.call_extern("handle", "dsv41c_decode_frag_half", T.address_of(cl[2 * mt + h2, 0]),
+                                                  T.Cast("uint32", sl[2 * mt + h2]), T.address_of(As[0, 0]), h2)
+                                T.gemm(As, Qs, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                                for h2 in T.unroll(2):
+                                    T.call_extern("handle", "dsv41c_decode_frag_half", T.address_of(cl[2 * mt + h2, 8]),
+                                                  T.Cast("uint32", sl[2 * mt + h2]), T.address_of(As[0, 0]), h2)
+                                T.gemm(As, Qs1, acc, transpose_B=True, clear_accum=False, policy=T.GemmWarpPolicy.FullRow)
+                                if it + 1 < walk:
+                                    load(CODES, SCALES, LS, cl, sl, b, bx, tpc, it + 1, nc, lim, tx, mt)
                                 for i, h in T.Parallel(gm, H):
                                     prod[i, h] = T.max(T.Cast("bfloat16", acc[i, h]), T.bfloat16(0)) * Ws[h]
                         else:
