@@ -541,7 +541,7 @@ _UNGUARDED = 1
 # candidate-gathering build (Reindex), whose CTAs walk a tile or two: there the per-CTA setup costs
 # more than the GEMM saves.  The bf16 path runs as two GEMMs of k 64 (a half-width fragment: 95
 # registers, no spills at 5 CTAs per SM; with the whole fragment it spills there).  At batch 32,
-# 256K on an H200: 308.7 -> 270.7 us; Reindex would go 62.7 -> 85.7 us (BENCHMARKS.md).
+# 256K on an H200: 308.7 -> 270.7 us; Reindex on it went 62.7 -> 85.7 us (4 CTAs; BENCHMARKS.md).
 _FP8_KEYS = 1
 
 
