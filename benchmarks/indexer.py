@@ -13,6 +13,7 @@ to time against the default in the same run); the table's header repeats the ove
 before the first build, to measure what the parts cost: "nomul" keeps the bit moves and drops the
 scale multiplies, "nodecode" passes the code words through as operands (the key loads stay),
 "noload" feeds constants (the key loads go too: the GEMMs, the epilogue and the walk remain).
+It times the bf16 keys' build (`_FP8_KEYS` 0), whose decode that is.
 
 One decode step per sequence (S = 1) at the released indexer dims: H_I = 32 heads x d_I = 128,
 n = context index keys (ratio 1: the candidate source), top-k 512, 2048 candidate blocks of 8.
@@ -81,7 +82,9 @@ _ABLATIONS = {
 
 
 def ablate(part: str) -> None:
-    """Replace the scoring's key decode by the `_ABLATIONS` body `part` (before the first build)."""
+    """Replace the scoring's key decode by the `_ABLATIONS` body `part` (before the first build), in
+    the bf16 keys' build (the E4M3 build's fast path has its own decode)."""
+    K._FP8_KEYS = 0
     src = K._DECODE_PRELUDE
     i = src.index("__device__ __forceinline__ void dsv41c_decode16(")
     i = src.index("{", i) + 1

@@ -645,7 +645,8 @@ SELECT_PHASES_BARRIERS = {"hist0": 5, "hist1": 11, "emit": 13}
 
 def test_benchmark_ablations_replace_only_the_decode(monkeypatch):
     """benchmarks/indexer.py --ablate (how the decode's share of the scoring was timed) swaps the body
-    of `dsv41c_decode16` and nothing else of the prelude, and the scoring still lowers with it."""
+    of `dsv41c_decode16` and nothing else of the prelude, in the bf16 keys' build (whose decode it
+    is), and the scoring still lowers with it."""
     import sys
     from pathlib import Path
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -654,11 +655,15 @@ def test_benchmark_ablations_replace_only_the_decode(monkeypatch):
     src = K._DECODE_PRELUDE
     head = src[:src.index("{", src.index("void dsv41c_decode16(")) + 1]
     tail = src[src.index("\n}\n", len(head)) + 3:]
+    monkeypatch.setattr(K, "_FP8_KEYS", 1)  # restored after the test; ablate() clears it
     for part, body in BI._ABLATIONS.items():
         monkeypatch.setattr(K, "_DECODE_PRELUDE", src)
         BI.ablate(part)
         assert K._DECODE_PRELUDE == head + body + tail, part
-    assert "0x3F803F80u" in _sm90_scores_source().split("main_kernel")[0]  # the last one, noload, lowered
+    assert K._FP8_KEYS == 0
+    src = _sm90_scores_source()
+    assert "0x3F803F80u" in src.split("main_kernel")[0]  # the last one, noload, lowered
+    assert "dsv41c_decode_frag((" in src and "kFloat8_e4m3" not in src  # into the bf16 build
 
 
 def test_sass_tool_counts_the_longest_loop(monkeypatch):
