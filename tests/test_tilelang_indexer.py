@@ -407,6 +407,60 @@ def test_fp8_decode_formula_cpu():
                         assert K._qperm8(c) == 32 * block + 8 * q + 4 * f + i, (thread, h, q, f, i)
 
 
+def _fp8_head_replay(q, w):
+    """`dsv41c_fp8_head` and the E4M3 query test replayed for one query (q [H, d], w [H] bf16):
+    (m [H], whether the CTA takes the bf16 path, the window [lo, hi] of a key's least scale byte)."""
+    qb, wb = (t.view(torch.int16).int() & 0xFFFF for t in (q, w))
+    mx = ((qb >> 7) & 0xFF).amax(dim=-1)
+    m = torch.where(mx == 0, 0, mx - 135)
+    wf = (wb >> 7) & 0xFF
+    ew, wnz = wf - 127, (wb & 0x7FFF) != 0
+    bad = (m < -117) | (wnz & ((wf == 0) | (m + ew < -103) | (m + ew > 95)))
+    m = torch.where(bad, 0, m)
+    lo = torch.where(wnz, torch.maximum(-110 - m, -103 - m - ew), -110 - m) + 122
+    hi = torch.where(wnz, torch.minimum(101 - m, 95 - m - ew), 101 - m) + 122
+    qs = q.float() * torch.exp2(-m.float())[:, None]
+    exact = (qs.to(torch.float8_e4m3fn).float() == qs) & ~((qs == 0) & (q.float() != 0))
+    return m, bool(bad.any() or not exact.all()), max(2, int(lo.max())), min(249, int(hi.min()))
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 2 ** 31 - 1), st.integers(-40, 40), st.integers(-40, 30))
+def test_fp8_scaling_exact_inside_the_window_cpu(seed, qe, we):
+    """The E4M3 scoring's argument (`_FP8_KEYS`), on torch's own ops: dividing head h's query by
+    2^m_h, each key by 2^(min_s - 122) (its blocks then E2M1 x 2^(s - min_s - 5), which E4M3 holds),
+    and multiplying w by 2^m_h gives the ref's scores times 2^-(min_s - 122) exactly, bit for bit,
+    for every key whose least scale byte lies in the window `dsv41c_fp8_head` allows (replayed) and
+    whose scale bytes are at most 252 (above, the ref's bf16 key is inf: the kernel tests both).
+    Keys are swept across the window and past both ends, with block spreads up to 11; queries and
+    w are scaled by 2^qe and 2^we so that the window moves and its edges reach tiny and huge
+    products."""
+    g = torch.Generator().manual_seed(seed)
+    h, d = 32, 128
+    q = quant.fp4_ue8m0_fake_quant((torch.randn(h, d, generator=g) * 2.0 ** qe).bfloat16(), 32)
+    w = (torch.randn(h, generator=g) * 2.0 ** we).bfloat16()
+    w[3] = 0
+    m, bad, lo, hi = _fp8_head_replay(q, w)
+    assert not bad and lo <= hi, (m, lo, hi)
+    mns = torch.arange(max(0, lo - 4), min(243, hi + 4) + 1)
+    n = len(mns) * 4
+    mn = mns.repeat_interleave(4)
+    spread = torch.randint(0, 12, (n, 4), generator=g)
+    spread[:, 0] = 0  # block 0 holds the least scale
+    scales = (mn[:, None] + spread).clamp(max=254).to(torch.uint8)
+    codes = torch.randint(0, 256, (n, d // 2), generator=g, dtype=torch.uint8)
+    ref, _ = K.index_scores_ref(q[None, None], codes[None], scales[None], w[None, None])
+    wq = (w.float() * torch.exp2(m.float())).bfloat16()
+    assert torch.equal(wq.float(), w.float() * torch.exp2(m.float()))  # w' exact
+    qq = (q.float() * torch.exp2(-m.float())[:, None]).bfloat16()  # the E4M3 query (exact: `bad` is False)
+    kq = (scales.int() - mn[:, None] + 122).to(torch.uint8)  # blocks at E2M1 x 2^(s - min_s - 5)
+    emu, _ = K.index_scores_ref(qq[None, None], codes[None], kq[None], wq[None, None])
+    emu = emu.float() * torch.exp2(mn.float() - 122)
+    inside = (mn >= lo) & (mn <= hi) & (scales.amax(dim=1) <= 252)  # the kernel's per-key test
+    assert inside.any()
+    assert torch.equal(emu[0, 0, inside], ref.float()[0, 0, inside]), (seed, qe, we, lo, hi)
+
+
 def ulp_close(got, ref, seed):
     """Same -inf pattern; finite scores within one bf16 rounding step of the largest, and
     nearly all bit-equal (the tensor cores and torch sum in other orders)."""

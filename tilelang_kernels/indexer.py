@@ -535,7 +535,8 @@ _UNGUARDED = 1
 # of scale bytes s - min_s <= 11, and 2^(min_s - 122) multiplies the key's head sum.  Every power of
 # two commutes with the ref's roundings while no intermediate leaves the normal range, which the
 # kernel checks: per CTA, the queries' E4M3 conversion exact and w' normal; per key, the spread, no
-# NaN scale and min_s in a window set by the query's m_h and w (`_cuda_scores_prim_func`).  A CTA
+# scale byte above 252 (the ref's bf16 key would be inf or NaN there) and min_s in a window set by
+# the query's m_h and w (`dsv41c_fp8_head`).  A CTA
 # whose query fails, or a tile with a failing key (from that tile on), takes the bf16 path.
 # d 128 with the keys in registers and the head sum on the tensor cores only, and not for the
 # candidate-gathering build (Reindex), whose CTAs walk a tile or two: there the per-CTA setup costs
@@ -707,12 +708,14 @@ __device__ __forceinline__ int dsv41c_max_exp32(const void* p) {
 // commute with every rounding, while m + K lies in -110 .. 101 and (w nonzero) m + K + ew in
 // -103 .. 95: the window of min_s = K + 122 this head allows, intersected into lim[0 .. 1].
 // m + ew in -103 .. 95 keeps w' and the kernel's own products and sums normal.  A head outside
-// these, or with w subnormal, sets *bad (the CTA takes the bf16 path).
+// these, with w subnormal, or with m < -117 (where a query value exact in E4M3 after the division
+// may be a subnormal bf16) sets *bad: the CTA takes the bf16 path.  No input is subnormal on the
+// E4M3 path (min_s >= 2 too), so no library's flush-to-zero can tell the two apart.
 __device__ __forceinline__ void dsv41c_fp8_head(int mx, const void* w, void* ws8, void* ms, int* lim, int* bad) {
   unsigned wb = *reinterpret_cast<const unsigned short*>(w);
   int m = mx == 0 ? 0 : mx - 135, wf = int((wb >> 7) & 0xFFu), ew = wf - 127;
   bool wnz = (wb & 0x7FFFu) != 0u;
-  if (m < -126 || (wnz && (wf == 0 || m + ew < -103 || m + ew > 95))) {
+  if (m < -117 || (wnz && (wf == 0 || m + ew < -103 || m + ew > 95))) {
     m = 0;
     *bad = 1;
   }
@@ -955,7 +958,7 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                     ones[j, h] = T.bfloat16(1)
             if fp8:
                 if tx == 0:
-                    LIM[0] = 0
+                    LIM[0] = 2  # every block's E2M1 x 2^(s - 127) a normal number (no subnormal key)
                     LIM[1] = 249  # 2^(min_s - 122) a normal float
                     BAD[0] = 0
                 T.sync_threads()
@@ -1024,7 +1027,8 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                         mnl[u] = T.Cast("int32", sl[u])
                         mnl[u] = T.min(mnl[u], T.shfl_xor(mnl[u], 1))
                         mnl[u] = T.min(mnl[u], T.shfl_xor(mnl[u], 2))
-                        okv = T.Select(T.And(T.And(T.Cast("int32", sl[u]) - mnl[u] <= 11, sl[u] != T.uint8(255)),
+                        # (a scale byte above 252 makes the ref's bf16 key inf or NaN: the bf16 path)
+                        okv = T.Select(T.And(T.And(T.Cast("int32", sl[u]) - mnl[u] <= 11, sl[u] <= T.uint8(252)),
                                              T.And(mnl[u] >= mnlo, mnl[u] <= mnhi)), okv, 0)
                     if T.call_extern("int32", "__any_sync", _u(0xFFFFFFFF), T.Cast("int32", okv == 0)) != 0:
                         if tx % 32 == 0:
