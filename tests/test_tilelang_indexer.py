@@ -544,9 +544,10 @@ def _sm90_scores_source(cand=False):
                          ids=["2x256", "3x256", "shared_key_tile", "head_sum_by_adds", "guarded", "bf16_keys"])
 def test_cuda_scores_variants(sets, monkeypatch):
     """The scoring's timed build choices other than the defaults (5 CTAs of 128 keys on one
-    warpgroup, keys in registers, the head sum on the tensor cores, no TileLang guards) against the
-    ref: 256 keys on two warpgroups at 2 or 3 CTAs per SM, the shared key tile, the head sum by
-    adds, TileLang's guards; decode with and without candidates, and a causal prefill."""
+    warpgroup, keys in registers, the head sum on the tensor cores, no TileLang guards, E4M3 keys
+    where exact) against the ref: 256 keys on two warpgroups at 2 or 3 CTAs per SM, the shared key
+    tile, the head sum by adds, TileLang's guards, bf16 keys throughout; decode with and without
+    candidates, and a causal prefill."""
     for name, value in sets.items():
         monkeypatch.setattr(K, name, value)
     K.build.cache_clear()  # builds are cached per op key, which does not name these switches
@@ -565,8 +566,9 @@ def test_cuda_scores_fp8_keys_fallbacks(h, monkeypatch):
     """The E4M3 keys' GEMM (`_FP8_KEYS`) where it is exact and the bf16 path where it is not, in one
     call: batch rows with MXFP4 queries and rows with plain bf16 ones (not E4M3 after any power of
     two); keys whose scale blocks span more than 11 binades (1 in 50, so some tiles switch to the
-    bf16 path midway through a CTA's walk); a head with w = 0, one with a tiny w; and keys scaled
-    to the edges of the window the queries allow.  (With candidate blocks the bf16 build runs.)"""
+    bf16 path midway through a CTA's walk); a head with w = 0, one with a tiny w (its row on the
+    bf16 path); and keys with every block scaled by 2^100 or 2^-100, in and out of the window the
+    queries allow.  (With candidate blocks the bf16 build runs.)"""
     monkeypatch.setattr(K, "_FP8_KEYS", 1)
     K.build.cache_clear()
     try:

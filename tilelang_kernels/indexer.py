@@ -824,6 +824,14 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
       (16-byte stores; the 8 lanes of a quarter warp write 8 different rows of the 128-byte
       swizzle: no bank conflicts), behind a barrier.
     - the GEMM [keys x d] x [d x H] (wgmma, fp32 accumulation).
+    - E4M3 keys (`fp8_scoring`, `_FP8_KEYS`): the CTA first finds each head's power of two
+      (`dsv41c_fp8_head`, one thread per head and scale block), writes the E4M3 query tile and
+      checks it exact.  Each tile's threads then vote on their keys (the quad's least scale byte
+      by two shuffles, the spread, the window); a failing query or key sets a shared flag that
+      sends the CTA to the bf16 path from that tile on.  On the E4M3 path the keys go through
+      `dsv41c_decode_frag8` into an m64k32 E4M3 fragment and one GEMM; on the bf16 path through
+      `dsv41c_decode_frag_half`, a k half at a time, into two GEMMs of k 64.  2^(min_s - 122)
+      (1 on the bf16 path) multiplies each key's head sum.
     - epilogue on the accumulator: round to bf16, relu, times w, round to bf16 (§6.5(d)); the sum
       over the H heads, in fp32, rounded once: a second wgmma of those products (in registers)
       against ones (`_HEAD_SUM_MMA`), or each thread's own columns, then across the 4 lanes of a
