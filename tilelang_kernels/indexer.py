@@ -544,13 +544,16 @@ _UNGUARDED = 1
 # registers, no spills at 5 CTAs per SM; with the whole fragment it spills there).  At batch 32,
 # 256K on an H200: 308.7 -> 270.7 us; Reindex on it went 62.7 -> 85.7 us (4 CTAs; BENCHMARKS.md).
 _FP8_KEYS = 1
+# the candidate-gathering build on E4M3 keys too (timed only with the whole bf16 fragment at 4 CTAs
+# per SM: 85.7 against 62.7 us; not yet at the default's 5)
+_FP8_GATHER = 0
 
 
 def fp8_scoring(H: int, d: int, cand: bool) -> bool:
     """Whether the CUDA scoring build for H heads of width d (candidate gathering `cand`) takes
     the E4M3 keys' GEMM (`_FP8_KEYS`)."""
     return (bool(_FP8_KEYS) and d == 128 and _BN == _THREADS == 128 and bool(_KEYS_IN_REGS)
-            and bool(_HEAD_SUM_MMA) and H % 16 == 0 and not cand)
+            and bool(_HEAD_SUM_MMA) and H % 16 == 0 and (not cand or bool(_FP8_GATHER)))
 
 # Decode of one key's scale block (16 code bytes, one UE8M0 byte) into 32 bf16 operand values with
 # the scale folded in, on the ALU (no table, no shared memory).  Code nibble j of a 32-bit word
