@@ -540,15 +540,16 @@ def _sm90_scores_source(cand=False):
 @pytest.mark.parametrize("sets", ({"_BN": 256, "_THREADS": 256, "_CTAS_PER_SM": 2},
                                   {"_BN": 256, "_THREADS": 256, "_CTAS_PER_SM": 3},
                                   {"_KEYS_IN_REGS": 0}, {"_HEAD_SUM_MMA": 0}, {"_UNGUARDED": 0},
-                                  {"_FP8_KEYS": 0}, {"_FP8_GATHER": 1}),
+                                  {"_FP8_KEYS": 0}, {"_FP8_GATHER": 1}, {"_EPI_CVT_RELU": 1}),
                          ids=["2x256", "3x256", "shared_key_tile", "head_sum_by_adds", "guarded", "bf16_keys",
-                              "fp8_gather"])
+                              "fp8_gather", "cvt_relu_epilogue"])
 def test_cuda_scores_variants(sets, monkeypatch):
     """The scoring's timed build choices other than the defaults (5 CTAs of 128 keys on one
     warpgroup, keys in registers, the head sum on the tensor cores, no TileLang guards, E4M3 keys
     where exact) against the ref: 256 keys on two warpgroups at 2 or 3 CTAs per SM, the shared key
     tile, the head sum by adds, TileLang's guards, bf16 keys throughout, E4M3 keys in the
-    candidate-gathering build too; decode with and without candidates, and a causal prefill."""
+    candidate-gathering build too, the E4M3 path's epilogue by cvt.rn.relu; decode with and without
+    candidates, and a causal prefill."""
     for name, value in sets.items():
         monkeypatch.setattr(K, name, value)
     K.build.cache_clear()  # builds are cached per op key, which does not name these switches
@@ -613,6 +614,11 @@ def test_cuda_scores_fp8_keys_lower_for_sm90(monkeypatch):
     assert "kFloat8_e4m3" not in _sm90_scores_source(cand=True)  # the candidate-gathering build: bf16
     monkeypatch.setattr(K, "_FP8_GATHER", 1)  # unless asked
     assert "kFloat8_e4m3" in _sm90_scores_source(cand=True)
+    # `_EPI_CVT_RELU`: the E4M3 path's products by hand (acc's and prod's layouts annotated as the
+    # wgmmas' own, which TileLang checks), the weights loaded into registers once
+    monkeypatch.setattr(K, "_EPI_CVT_RELU", 1)
+    src = _sm90_scores_source()
+    assert src.count("dsv41c_relu_mul<8>((") == 1 and src.count("dsv41c_load_w2((") == 1
     monkeypatch.setattr(K, "_FP8_KEYS", 0)
     src = _sm90_scores_source()
     assert "kFloat8_e4m3" not in src and "dsv41c_fp8_head(mx" not in src and "dsv41c_decode_frag8((" not in src

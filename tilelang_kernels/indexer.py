@@ -547,6 +547,10 @@ _FP8_KEYS = 1
 # the candidate-gathering build on E4M3 keys too (timed only with the whole bf16 fragment at 4 CTAs
 # per SM: 85.7 against 62.7 us; not yet at the default's 5)
 _FP8_GATHER = 0
+# the E4M3 path's epilogue as cvt.rn.relu + one bf16x2 multiply a pair, its weights in registers
+# (`dsv41c_relu_mul`), instead of TileLang's convert, max and multiply with a shared weight load:
+# 16 fewer HMNMX2 and 8 fewer LDS a tile.  Not yet run on a GPU: off.
+_EPI_CVT_RELU = 0
 
 
 def fp8_scoring(H: int, d: int, cand: bool) -> bool:
@@ -686,6 +690,29 @@ __device__ __forceinline__ void dsv41c_decode_frag8(const void* codes, unsigned 
     unsigned o1 = (dsv41c_prmt(w4, w, 0x7362u) & 0x80808080u) | dsv41c_prmt(lo, hi, m >> 16);
     reinterpret_cast<unsigned*>(frag)[q * 4 + h] = o0;
     reinterpret_cast<unsigned*>(frag)[q * 4 + 2 + h] = o1;
+  }
+}
+
+// The E4M3 path's products (`_EPI_CVT_RELU`): pair k of the thread's m64nH fp32 accumulator
+// (columns 8 (k / 2) + 2 (lane % 4), + 1) as bf16(relu(bf16(acc)) x w'), rounded once each: the relu
+// folded into the conversion (cvt.rn.relu keeps NaN a NaN, as torch's relu does), then one bf16x2
+// multiply by the pair's weights w2[k / 2].
+template <int pairs>
+__device__ __forceinline__ void dsv41c_relu_mul(const void* acc, const void* w2, void* prod) {
+  const float* a = reinterpret_cast<const float*>(acc);
+#pragma unroll
+  for (int k = 0; k < pairs; ++k) {
+    unsigned r;
+    asm("cvt.rn.relu.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(a[2 * k + 1]), "f"(a[2 * k]));
+    reinterpret_cast<unsigned*>(prod)[k] = dsv41c_mul_bf16x2(r, reinterpret_cast<const unsigned*>(w2)[k / 2]);
+  }
+}
+
+// The weight pairs of the thread's accumulator columns 8 j + 2 t, + 1 (j < n) from the shared w'.
+__device__ __forceinline__ void dsv41c_load_w2(const void* ws8, int t, void* w2, int n) {
+#pragma unroll
+  for (int j = 0; j < 32; ++j) {
+    if (j < n) reinterpret_cast<unsigned*>(w2)[j] = reinterpret_cast<const unsigned*>(ws8)[4 * j + t];
   }
 }
 
@@ -946,6 +973,12 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                 fast = T.alloc_var("int32")
                 okv = T.alloc_var("int32")
                 mx = T.alloc_var("int32")
+                if _EPI_CVT_RELU:
+                    w2 = T.alloc_local((H // 8,), "uint32")
+                    # acc and prod as the wgmmas hold them (`dsv41c_relu_mul` reads and writes them by hand)
+                    T.annotate_layout({b_: T.Fragment((gm, H), forward_thread_fn=lambda i, c: _frag_a(i, c)[0],
+                                                      forward_index_fn=lambda i, c: _frag_a(i, c)[1])
+                                       for b_ in (acc, prod)})
             cl = T.alloc_local((units, 16), "uint8")
             sl = T.alloc_local((units,), "uint8")
             if not regs:
@@ -997,6 +1030,8 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                 T.sync_threads()
                 mnlo = LIM[0]
                 mnhi = LIM[1]
+                if _EPI_CVT_RELU:
+                    T.call_extern("handle", "dsv41c_load_w2", T.address_of(Ws8[0]), tx % 4, T.address_of(w2[0]), H // 8)
             lim = T.min(N, VL[s]) if visible else N
             nc = 0
             walk = tpc
@@ -1086,8 +1121,12 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                             # over heads by the tensor cores in fp32 (each product x 1 exact)
                             if fast != 0:
                                 T.gemm(As8, Qs8, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                                for i, h in T.Parallel(gm, H):
-                                    prod[i, h] = T.max(T.Cast("bfloat16", acc[i, h]), T.bfloat16(0)) * Ws8[h]
+                                if _EPI_CVT_RELU:  # (acc and prod: the same element order, pairs in a word)
+                                    T.call_extern("handle", f"dsv41c_relu_mul<{H // 4}>", T.address_of(acc[0, 0]),
+                                                  T.address_of(w2[0]), T.address_of(prod[0, 0]))
+                                else:
+                                    for i, h in T.Parallel(gm, H):
+                                        prod[i, h] = T.max(T.Cast("bfloat16", acc[i, h]), T.bfloat16(0)) * Ws8[h]
                             else:  # decoded here, a k half at a time; the next tile's bytes after
                                 for h2 in T.unroll(2):
                                     T.call_extern("handle", "dsv41c_decode_frag_half", T.address_of(cl[2 * mt + h2, 0]),
