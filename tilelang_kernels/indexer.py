@@ -536,8 +536,8 @@ _UNGUARDED = 1
 # two commutes with the ref's roundings while no intermediate leaves the normal range, which the
 # kernel checks: per CTA, the queries' E4M3 conversion exact and w' normal; per key, the spread, no
 # scale byte above 252 (the ref's bf16 key would be inf or NaN there) and min_s in a window set by
-# the query's m_h and w (`dsv41c_fp8_head`).  A CTA
-# whose query fails, or a tile with a failing key (from that tile on), takes the bf16 path.
+# the query's m_h and w (`dsv41c_fp8_head`).  A CTA whose query fails, or a tile with a failing key
+# (from that tile on), takes the bf16 path.
 # d 128 with the keys in registers and the head sum on the tensor cores only, and not for the
 # candidate-gathering build (Reindex), whose CTAs walk a tile or two: there the per-CTA setup costs
 # more than the GEMM saves.  The bf16 path runs as two GEMMs of k 64 (a half-width fragment: 95
