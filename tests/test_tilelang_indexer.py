@@ -567,23 +567,24 @@ def test_cuda_scores_variants(sets, monkeypatch):
 def test_cuda_scores_fp8_keys_fallbacks(h, monkeypatch):
     """The E4M3 keys' GEMM (`_FP8_KEYS`) where it is exact and the bf16 path where it is not, in one
     call: batch rows with MXFP4 queries and rows with plain bf16 ones (not E4M3 after any power of
-    two); keys whose scale blocks span more than 11 binades (1 in 50, so some tiles switch to the
-    bf16 path midway through a CTA's walk); a head with w = 0, one with a tiny w (its row on the
-    bf16 path); and keys with every block scaled by 2^100 or 2^-100, in and out of the window the
-    queries allow.  (With candidate blocks the bf16 build runs.)"""
+    two); keys whose scale blocks span more than 11 binades; a head with w = 0, one with a tiny w
+    (its row on the bf16 path); and keys with every block scaled by 2^100 or 2^-100, in and out of
+    the window the queries allow.  The odd keys are 1 in 2000 each, so that most CTAs walk some
+    tiles on the E4M3 path and then switch to the bf16 path midway.  (With candidate blocks the
+    bf16 build runs.)"""
     monkeypatch.setattr(K, "_FP8_KEYS", 1)
     K.build.cache_clear()
     try:
         seed = fresh_seed()
         g = torch.Generator().manual_seed(seed)
-        b, n = 4, 20011
+        b, n = 4, 100003  # 5 tiles a CTA (`cuda_tiles_per_cta`)
         q, codes, scales, w = make_inputs(b, 1, h, 128, n, seed)
         q[1] = (torch.randn(1, h, 128, generator=g) * 3).bfloat16()  # not MXFP4
         w[2, 0, 0] = 0
         w[2, 0, 1] = 2.0 ** -100
-        wide = torch.rand(b, n + 3, generator=g) < 0.02
+        wide = torch.rand(b, n + 3, generator=g) < 0.0005
         scales[..., 3] = torch.where(wide, (scales[..., 3].int() + 14).clamp(max=254).to(torch.uint8), scales[..., 3])
-        edge = torch.rand(b, n + 3, generator=g) < 0.02  # all of a key's blocks far up or down
+        edge = torch.rand(b, n + 3, generator=g) < 0.0005  # all of a key's blocks far up or down
         shift = torch.where(torch.rand(b, n + 3, 1, generator=g) < 0.5, -100, 100)
         scales = torch.where(edge[..., None], (scales.int() + shift).clamp(1, 254).to(torch.uint8), scales)
         cand = torch.rand(b, 1, -(-n // 8), generator=g) < 0.5
