@@ -598,6 +598,40 @@ def test_cuda_scores_fp8_keys_fallbacks(h, monkeypatch):
         K.build.cache_clear()
 
 
+@pytest.mark.gpu
+@cuda
+def test_cuda_scores_fp8_path_taken(monkeypatch):
+    """The E4M3 path really runs, and the switch to the bf16 path really happens: with the bf16
+    path poisoned (`_FP8_POISON_BF16_PATH`: NaN products), MXFP4 queries against ordinary keys
+    score right everywhere (every tile took the E4M3 path), a batch row with a plain bf16 query
+    scores NaN everywhere (its CTAs switched before their first tile), and a key whose blocks span
+    more than 11 binades turns its tile and the rest of its CTA's walk to NaN."""
+    monkeypatch.setattr(K, "_FP8_KEYS", 1)
+    monkeypatch.setattr(K, "_FP8_POISON_BF16_PATH", 1)
+    K.build.cache_clear()
+    try:
+        seed = fresh_seed()
+        g = torch.Generator().manual_seed(seed)
+        b, n = 3, 100003
+        q, codes, scales, w = make_inputs(b, 1, 32, 128, n, seed)
+        q[1] = (torch.randn(1, 32, 128, generator=g) * 3).bfloat16()  # not MXFP4
+        tpc = K.cuda_tiles_per_cta(n, b)
+        wide = tpc * K._BN * 2 + 5  # a key in row 2's third CTA, its first tile
+        scales[2, wide, 3] = min(int(scales[2, wide, 0]) + 14, 254)
+        got, _ = K.index_scores(*(t.cuda() for t in (q, codes, scales, w)), n=n, block_max=True)
+        got = got.cpu()
+        ref, _ = K.index_scores_ref(q, codes, scales, w, n=n)
+        ulp_close(got[0:1], ref[0:1], seed)  # row 0: all E4M3
+        assert got[1].isnan().all(), f"seed={seed}"
+        cta = slice(tpc * K._BN * 2, tpc * K._BN * 3)  # row 2's third CTA: NaN from the wide key's tile on
+        assert got[2, 0, cta].isnan().all(), f"seed={seed}"
+        rest = torch.ones(n, dtype=torch.bool)
+        rest[cta] = False
+        ulp_close(got[2:3, :, rest], ref[2:3, :, rest], seed)
+    finally:
+        K.build.cache_clear()
+
+
 def test_cuda_scores_fp8_keys_lower_for_sm90(monkeypatch):
     """Without a GPU: with `_FP8_KEYS` the build holds both GEMMs, the E4M3 one as k32 wgmma on a
     register A operand (whose layout, `_frag_a8`, TileLang checks against its own), the per-head
@@ -620,6 +654,9 @@ def test_cuda_scores_fp8_keys_lower_for_sm90(monkeypatch):
     monkeypatch.setattr(K, "_EPI_CVT_RELU", 1)
     src = _sm90_scores_source()
     assert src.count("dsv41c_relu_mul<8>((") == 1 and src.count("dsv41c_load_w2((") == 1
+    assert "quiet_NaN" not in src.split("main_kernel")[-1]
+    monkeypatch.setattr(K, "_FP8_POISON_BF16_PATH", 1)  # (test_cuda_scores_fp8_path_taken's build)
+    assert "quiet_NaN" in _sm90_scores_source().split("main_kernel")[-1]
     monkeypatch.setattr(K, "_FP8_KEYS", 0)
     src = _sm90_scores_source()
     assert "kFloat8_e4m3" not in src and "dsv41c_fp8_head(mx" not in src and "dsv41c_decode_frag8((" not in src

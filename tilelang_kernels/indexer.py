@@ -551,6 +551,9 @@ _FP8_GATHER = 0
 # (`dsv41c_relu_mul`), instead of TileLang's convert, max and multiply with a shared weight load:
 # 16 fewer HMNMX2 and 8 fewer LDS a tile.  Not yet run on a GPU: off.
 _EPI_CVT_RELU = 0
+# tests only: the E4M3 build's bf16 path writes NaN products, so that a test sees which keys took
+# the E4M3 path (those scores stay right) and which the bf16 one
+_FP8_POISON_BF16_PATH = 0
 
 
 def fp8_scoring(H: int, d: int, cand: bool) -> bool:
@@ -1140,6 +1143,9 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                                     load(CODES, SCALES, LS, cl, sl, b, bx, tpc, it + 1, nc, lim, tx, mt)
                                 for i, h in T.Parallel(gm, H):
                                     prod[i, h] = T.max(T.Cast("bfloat16", acc[i, h]), T.bfloat16(0)) * Ws[h]
+                                if _FP8_POISON_BF16_PATH:  # (tests: which tiles took this path)
+                                    for i, h in T.Parallel(gm, H):
+                                        prod[i, h] = T.Cast("bfloat16", T.float32(float("nan")))
                         else:
                             T.gemm(As, Qs, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                         if mma_sum:
