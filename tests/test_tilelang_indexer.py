@@ -540,16 +540,16 @@ def _sm90_scores_source(cand=False):
 @pytest.mark.parametrize("sets", ({"_BN": 256, "_THREADS": 256, "_CTAS_PER_SM": 2},
                                   {"_BN": 256, "_THREADS": 256, "_CTAS_PER_SM": 3},
                                   {"_KEYS_IN_REGS": 0}, {"_HEAD_SUM_MMA": 0}, {"_UNGUARDED": 0},
-                                  {"_FP8_KEYS": 0}, {"_FP8_GATHER": 1}, {"_EPI_CVT_RELU": 1}),
+                                  {"_FP8_KEYS": 0}, {"_FP8_GATHER": 1}, {"_EPI_CVT_RELU": 1}, {"_FP8_SETUP_ONEPASS": 1}),
                          ids=["2x256", "3x256", "shared_key_tile", "head_sum_by_adds", "guarded", "bf16_keys",
-                              "fp8_gather", "cvt_relu_epilogue"])
+                              "fp8_gather", "cvt_relu_epilogue", "fp8_setup_onepass"])
 def test_cuda_scores_variants(sets, monkeypatch):
     """The scoring's timed build choices other than the defaults (5 CTAs of 128 keys on one
     warpgroup, keys in registers, the head sum on the tensor cores, no TileLang guards, E4M3 keys
     where exact) against the ref: 256 keys on two warpgroups at 2 or 3 CTAs per SM, the shared key
     tile, the head sum by adds, TileLang's guards, bf16 keys throughout, E4M3 keys in the
-    candidate-gathering build too, the E4M3 path's epilogue by cvt.rn.relu; decode with and without
-    candidates, and a causal prefill."""
+    candidate-gathering build too, the E4M3 path's epilogue by cvt.rn.relu, its setup in one pass;
+    decode with and without candidates, and a causal prefill."""
     for name, value in sets.items():
         monkeypatch.setattr(K, name, value)
     K.build.cache_clear()  # builds are cached per op key, which does not name these switches
@@ -563,8 +563,9 @@ def test_cuda_scores_variants(sets, monkeypatch):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("h", (16, 32, 64))
-def test_cuda_scores_fp8_keys_fallbacks(h, monkeypatch):
+@pytest.mark.parametrize("h,sets", ((16, {}), (32, {}), (64, {}), (32, {"_FP8_SETUP_ONEPASS": 1})),
+                         ids=["16", "32", "64", "32_setup_onepass"])
+def test_cuda_scores_fp8_keys_fallbacks(h, sets, monkeypatch):
     """The E4M3 keys' GEMM (`_FP8_KEYS`) where it is exact and the bf16 path where it is not, in one
     call: batch rows with MXFP4 queries and rows with plain bf16 ones (not E4M3 after any power of
     two); keys whose scale blocks span more than 11 binades; a head with w = 0, one with a tiny w
@@ -573,6 +574,8 @@ def test_cuda_scores_fp8_keys_fallbacks(h, monkeypatch):
     tiles on the E4M3 path and then switch to the bf16 path midway.  (With candidate blocks the
     bf16 build runs.)"""
     monkeypatch.setattr(K, "_FP8_KEYS", 1)
+    for name, value in sets.items():
+        monkeypatch.setattr(K, name, value)
     K.build.cache_clear()
     try:
         seed = fresh_seed()
@@ -657,6 +660,14 @@ def test_cuda_scores_fp8_keys_lower_for_sm90(monkeypatch):
     assert "quiet_NaN" not in src.split("main_kernel")[-1]
     monkeypatch.setattr(K, "_FP8_POISON_BF16_PATH", 1)  # (test_cuda_scores_fp8_path_taken's build)
     assert "quiet_NaN" in _sm90_scores_source().split("main_kernel")[-1]
+    monkeypatch.setattr(K, "_FP8_POISON_BF16_PATH", 0)
+    # `_FP8_SETUP_ONEPASS`: the query read once (no per-element gather, no 2^-m_h array), a barrier fewer
+    body = _sm90_scores_source().split("main_kernel")[-1]
+    assert "dsv41c_max_exp32(" in body and body.count("MS)[") > 1  # (MS: also dsv41c_fp8_head's argument)
+    monkeypatch.setattr(K, "_FP8_SETUP_ONEPASS", 1)
+    one = _sm90_scores_source().split("main_kernel")[-1]
+    assert "dsv41c_max_exp32(" not in one and one.count("MS)[") == 1
+    assert one.count("__syncthreads();") == body.count("__syncthreads();") - 1
     monkeypatch.setattr(K, "_FP8_KEYS", 0)
     src = _sm90_scores_source()
     assert "kFloat8_e4m3" not in src and "dsv41c_fp8_head(mx" not in src and "dsv41c_decode_frag8((" not in src
