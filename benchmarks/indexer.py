@@ -17,6 +17,8 @@ It times the bf16 keys' build (`_FP8_KEYS` 0), whose decode that is.
 
 One decode step per sequence (S = 1) at the released indexer dims: H_I = 32 heads x d_I = 128,
 n = context index keys (ratio 1: the candidate source), top-k 512, 2048 candidate blocks of 8.
+The queries are MXFP4, as the model's are (§6.5(b)), so the scoring takes its E4M3 keys' path
+(`_FP8_KEYS`); `--set _FP8_KEYS=0` times the bf16 one.
 
 Variants, each timed with CUDA events (median of batches of back-to-back calls):
   score          tilelang `index_scores` with the block max (what the candidate source needs)
