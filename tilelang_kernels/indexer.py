@@ -828,6 +828,11 @@ def cuda_tiles_per_cta(n: int, rows: int, slots: int | None = None) -> int:
     return max(1, min(_MAX_TPC, tiles, -(-tiles * rows // slots)))
 
 
+def _fragment(shape, frag):
+    """A TileLang fragment layout from `frag(i, c)` -> (thread, element), such as `_frag_a`."""
+    return T.Fragment(shape, forward_thread_fn=lambda i, c: frag(i, c)[0], forward_index_fn=lambda i, c: frag(i, c)[1])
+
+
 def _pow2(e):
     """2^e as a float32, for an int32 e in -126 .. 127 (its bits)."""
     return T.reinterpret(T.shift_left(e + 127, 23), "float32")
@@ -949,8 +954,7 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
             if regs:  # the wgmma m64k16 register A layout, which dsv41c_decode_frag fills by hand
                 ka = d // 2 if fp8 else d
                 As = T.alloc_fragment((gm, ka), "bfloat16")
-                T.annotate_layout({As: T.Fragment((gm, ka), forward_thread_fn=lambda i, c: _frag_a(i, c)[0],
-                                                  forward_index_fn=lambda i, c: _frag_a(i, c)[1])})
+                T.annotate_layout({As: _fragment((gm, ka), _frag_a)})
             else:
                 As = T.alloc_shared((_BN, d), "bfloat16")
             Ws = T.alloc_shared((H,), "bfloat16")
@@ -967,8 +971,7 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
             if fp8:
                 Qs8 = T.alloc_shared((H, d), "float8_e4m3fn")
                 As8 = T.alloc_fragment((gm, d), "float8_e4m3fn")
-                T.annotate_layout({As8: T.Fragment((gm, d), forward_thread_fn=lambda i, c: _frag_a8(i, c)[0],
-                                                   forward_index_fn=lambda i, c: _frag_a8(i, c)[1])})
+                T.annotate_layout({As8: _fragment((gm, d), _frag_a8)})
                 Ws8 = T.alloc_shared((H,), "bfloat16")  # w x 2^m_h
                 MS = T.alloc_shared((H,), "float32")  # 2^-m_h
                 KS = T.alloc_shared((_BN,), "float32")  # the tile's keys' 2^(min_s - 122), 1 on the bf16 path
@@ -986,9 +989,7 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                 if _EPI_CVT_RELU:
                     w2 = T.alloc_local((H // 8,), "uint32")
                     # acc and prod as the wgmmas hold them (`dsv41c_relu_mul` reads and writes them by hand)
-                    T.annotate_layout({b_: T.Fragment((gm, H), forward_thread_fn=lambda i, c: _frag_a(i, c)[0],
-                                                      forward_index_fn=lambda i, c: _frag_a(i, c)[1])
-                                       for b_ in (acc, prod)})
+                    T.annotate_layout({acc: _fragment((gm, H), _frag_a), prod: _fragment((gm, H), _frag_a)})
             cl = T.alloc_local((units, 16), "uint8")
             sl = T.alloc_local((units,), "uint8")
             if not regs:
