@@ -1157,9 +1157,9 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                     if not regs:
                         T.sync_threads()  # As is written
                     if live != 0:
+                        # the GEMM, then with the head sum on the tensor cores the bf16 products (rounded
+                        # once: the ref's bf16(relu(bf16(s)) * w)), summed over heads in fp32 (x 1 exact)
                         if fp8:
-                            # bf16 products (rounded once: the ref's bf16(relu(bf16(s)) * w)), summed
-                            # over heads by the tensor cores in fp32 (each product x 1 exact)
                             if fast != 0:
                                 T.gemm(As8, Qs8, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                                 if _EPI_CVT_RELU:  # (acc and prod: the same element order, pairs in a word)
@@ -1186,12 +1186,10 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                                         prod[i, h] = T.Cast("bfloat16", T.float32(float("nan")))
                         else:
                             T.gemm(As, Qs, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                        if mma_sum:
-                            if not fp8:
-                                # bf16 products (rounded once: the ref's bf16(relu(bf16(s)) * w)), summed
-                                # over heads by the tensor cores in fp32 (each product x 1 exact)
+                            if mma_sum:
                                 for i, h in T.Parallel(gm, H):
                                     prod[i, h] = T.max(T.Cast("bfloat16", acc[i, h]), T.bfloat16(0)) * Ws[h]
+                        if mma_sum:
                             T.gemm(prod, ones, hsum, transpose_B=True, clear_accum=True,
                                    policy=T.GemmWarpPolicy.FullRow)
                             for i, j in T.Parallel(gm, 8):
