@@ -391,7 +391,7 @@ def _scores_impl(q, codes, scales, w, visible_len, cand_blocks, n, block_max):
     args.append(_bits(sc, target))
     args.append(_bits(bm, target) if block_max else _bits(q.new_empty(1), target))
     if target != "c":
-        args.append(cuda_tiles_per_cta(n, b * s))
+        args.append(cuda_tiles_per_cta(n, b * s, even=cand_blocks is None and (visible_len is None or s == 1)))
     kernel(*args)
     return sc, bm
 
@@ -508,7 +508,14 @@ _THREADS = 128  # one warpgroup multiplying the tile's keys (= _BN)
 # registers) and 3 of 256 (71 registers), and with the keys in registers against 6 (80 registers,
 # small spills: slower): BENCHMARKS.md, indexer section.
 _CTAS_PER_SM = 5
-_MAX_TPC = 16  # key tiles a scoring CTA walks at most (`cuda_tiles_per_cta`)
+_MAX_TPC = 16  # key tiles a scoring CTA walks at most over several waves (`cuda_tiles_per_cta`)
+# a scoring CTA's setup in tiles' time, for the tile plan: on an H200 the E4M3 build's setup (957
+# instructions a warp, the query's loads and conversions, three barriers) took as much warp time
+# as about 3.7 tiles of its walk (ncu, batch 32 at 256K)
+_SETUP_TILES = 4
+# the tile plan may choose one wave of long walks (`cuda_tiles_per_cta`); 0: walks of at most
+# `_MAX_TPC` tiles always (the earlier plan, for side-by-side timing)
+_ONE_WAVE_PLAN = 1
 # CUDA scoring: the sum over heads as a second wgmma (the bf16 products relu(q.k) x w, left in
 # registers as its A operand, against a [H, 8] tile of ones) instead of fp32 adds and shuffles:
 # 5% faster at batch 32, 256K on an H200 (BENCHMARKS.md).  Its fp32 sum is in another order than
@@ -542,19 +549,8 @@ _UNGUARDED = 1
 # candidate-gathering build (Reindex), whose CTAs walk a tile or two: there the per-CTA setup costs
 # more than the GEMM saves.  The bf16 path runs as two GEMMs of k 64 (a half-width fragment: 95
 # registers, no spills at 5 CTAs per SM; with the whole fragment it spills there).  At batch 32,
-# 256K on an H200: 308.7 -> 270.7 us; Reindex on it went 62.7 -> 85.7 us (4 CTAs; BENCHMARKS.md).
+# 256K on an H200: 308.7 -> 270.7 us; Reindex on it went 62.2 -> 80.7 us (BENCHMARKS.md).
 _FP8_KEYS = 1
-# the candidate-gathering build on E4M3 keys too (timed only with the whole bf16 fragment at 4 CTAs
-# per SM: 85.7 against 62.7 us; not yet at the default's 5)
-_FP8_GATHER = 0
-# the E4M3 path's epilogue as cvt.rn.relu + one bf16x2 multiply a pair, its weights in registers
-# (`dsv41c_relu_mul`), instead of TileLang's convert, max and multiply with a shared weight load:
-# 16 fewer HMNMX2 and 8 fewer LDS a tile.  Not yet run on a GPU: off.
-_EPI_CVT_RELU = 0
-# the E4M3 build's CTA setup in one pass: each thread loads its head's scale block of the query once
-# (four 16-byte loads), finds the head's power of two with its quad and writes its E4M3 bytes; no
-# second read of the query, no 2^-m_h array, one barrier fewer.  Not yet run on a GPU: off.
-_FP8_SETUP_ONEPASS = 0
 # tests only: the E4M3 build's bf16 path writes NaN products, so that a test sees which keys took
 # the E4M3 path (those scores stay right) and which the bf16 one
 _FP8_POISON_BF16_PATH = 0
@@ -564,7 +560,7 @@ def fp8_scoring(H: int, d: int, cand: bool) -> bool:
     """Whether the CUDA scoring build for H heads of width d (candidate gathering `cand`) takes
     the E4M3 keys' GEMM (`_FP8_KEYS`)."""
     return (bool(_FP8_KEYS) and d == 128 and _BN == _THREADS == 128 and bool(_KEYS_IN_REGS)
-            and bool(_HEAD_SUM_MMA) and H % 16 == 0 and (not cand or bool(_FP8_GATHER)))
+            and bool(_HEAD_SUM_MMA) and H % 16 == 0 and not cand)
 
 # Decode of one key's scale block (16 code bytes, one UE8M0 byte) into 32 bf16 operand values with
 # the scale folded in, on the ALU (no table, no shared memory).  Code nibble j of a 32-bit word
@@ -700,29 +696,6 @@ __device__ __forceinline__ void dsv41c_decode_frag8(const void* codes, unsigned 
   }
 }
 
-// The E4M3 path's products (`_EPI_CVT_RELU`): pair k of the thread's m64nH fp32 accumulator
-// (columns 8 (k / 2) + 2 (lane % 4), + 1) as bf16(relu(bf16(acc)) x w'), rounded once each: the relu
-// folded into the conversion (cvt.rn.relu keeps NaN a NaN, as torch's relu does), then one bf16x2
-// multiply by the pair's weights w2[k / 2].
-template <int pairs>
-__device__ __forceinline__ void dsv41c_relu_mul(const void* acc, const void* w2, void* prod) {
-  const float* a = reinterpret_cast<const float*>(acc);
-#pragma unroll
-  for (int k = 0; k < pairs; ++k) {
-    unsigned r;
-    asm("cvt.rn.relu.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(a[2 * k + 1]), "f"(a[2 * k]));
-    reinterpret_cast<unsigned*>(prod)[k] = dsv41c_mul_bf16x2(r, reinterpret_cast<const unsigned*>(w2)[k / 2]);
-  }
-}
-
-// The weight pairs of the thread's accumulator columns 8 j + 2 t, + 1 (j < n) from the shared w'.
-__device__ __forceinline__ void dsv41c_load_w2(const void* ws8, int t, void* w2, int n) {
-#pragma unroll
-  for (int j = 0; j < 32; ++j) {
-    if (j < n) reinterpret_cast<unsigned*>(w2)[j] = reinterpret_cast<const unsigned*>(ws8)[4 * j + t];
-  }
-}
-
 // The largest exponent field among 32 bf16 at p (16-byte aligned).
 __device__ __forceinline__ int dsv41c_max_exp32(const void* p) {
   unsigned m = 0u;
@@ -818,14 +791,28 @@ def _frag_a(i, c):
     return i // 16 * 32 + i % 8 * 4 + c % 8 // 2, c // 16 * 8 + c % 16 // 8 * 4 + i % 16 // 8 * 2 + c % 2
 
 
-def cuda_tiles_per_cta(n: int, rows: int, slots: int | None = None) -> int:
-    """Key tiles each scoring CTA walks: the fewest that fit all CTAs in one wave of `slots`
-    (default `_CTAS_PER_SM` per SM of an H200's 132), at most `_MAX_TPC`; a longer walk loads the
-    query once for more keys, and every tile after the first has its key bytes in flight during
-    the previous tile's decode, GEMM and epilogue."""
+def cuda_tiles_per_cta(n: int, rows: int, even: bool = True, slots: int | None = None) -> int:
+    """Key tiles each scoring CTA walks, for `rows` query rows over n keys.  CTAs of equal walks
+    run in waves of `slots` (default `_CTAS_PER_SM` per SM of an H200's 132), so the plan weighs
+    waves x (the walk + a setup of `_SETUP_TILES`) over two candidates: the fewest tiles a CTA
+    that fit all CTAs in one wave, or walks of at most `_MAX_TPC` tiles in as many waves as that
+    takes.  The first loads each query once for many keys; it is offered only where every row
+    walks all its tiles (`even`: no causal rows of different lengths, whose short walks would
+    leave the wave's slots idle) and for the dense build (the candidate list's shared array holds
+    `_MAX_TPC` tiles of blocks).  Every tile after a CTA's first has its key bytes in flight
+    during the previous tile's decode, GEMM and epilogue."""
     slots = _CTAS_PER_SM * 132 if slots is None else slots
     tiles = -(-n // _BN)
-    return max(1, min(_MAX_TPC, tiles, -(-tiles * rows // slots)))
+
+    def cost(tpc):
+        return -(-rows * -(-tiles // tpc) // slots) * (tpc + _SETUP_TILES)
+
+    tpc = max(1, min(_MAX_TPC, tiles, -(-tiles * rows // slots)))
+    if _ONE_WAVE_PLAN and even and rows <= slots:
+        wide = -(-tiles // (slots // rows))
+        if cost(wide) < cost(tpc):
+            tpc = wide
+    return tpc
 
 
 def _fragment(shape, frag):
@@ -946,6 +933,10 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
         with T.Kernel(S, T.ceildiv(N, _BN * tpc), B, threads=_THREADS, prelude=_DECODE_PRELUDE) as (s, bx, b):
             T.annotate_min_blocks_per_sm(_CTAS_PER_SM)  # the plan's CTAs per SM, in the register budget
             tx = T.get_thread_binding()
+            # the tile row this thread scores in the epilogue: with the keys in registers one of its
+            # own warp's (the GEMMs' rows 64 mt + 16 warp + 0..15, lanes 16 mt + 0..15), so that the
+            # head sums and key scales pass within the warp; 8 lanes in a row stay one block
+            er = tx % 32 // 16 * 64 + tx // 32 * 16 + tx % 16 if regs else tx
             if fp8:  # the two k halves of the bf16 path's operands (its GEMM in two)
                 Qs = T.alloc_shared((H, d // 2), "bfloat16")
                 Qs1 = T.alloc_shared((H, d // 2), "bfloat16")
@@ -976,20 +967,13 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                 MS = T.alloc_shared((H,), "float32")  # 2^-m_h
                 KS = T.alloc_shared((_BN,), "float32")  # the tile's keys' 2^(min_s - 122), 1 on the bf16 path
                 LIM = T.alloc_shared((2,), "int32")  # the window of min_s the query allows
-                BAD = T.alloc_shared((1,), "int32")  # sticky: the bf16 path from here on
+                BAD = T.alloc_shared((1,), "int32")  # the query fails a check: the bf16 path throughout
                 mnl = T.alloc_local((units,), "int32")
                 mnlo = T.alloc_var("int32")
                 mnhi = T.alloc_var("int32")
                 fast = T.alloc_var("int32")
                 okv = T.alloc_var("int32")
                 mx = T.alloc_var("int32")
-                if _FP8_SETUP_ONEPASS:
-                    ql = T.alloc_local((32,), "bfloat16")  # this thread's head and block of the query
-                    qsc = T.alloc_var("float32")
-                if _EPI_CVT_RELU:
-                    w2 = T.alloc_local((H // 8,), "uint32")
-                    # acc and prod as the wgmmas hold them (`dsv41c_relu_mul` reads and writes them by hand)
-                    T.annotate_layout({acc: _fragment((gm, H), _frag_a), prod: _fragment((gm, H), _frag_a)})
             cl = T.alloc_local((units, 16), "uint8")
             sl = T.alloc_local((units,), "uint8")
             if not regs:
@@ -1019,60 +1003,28 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                 T.sync_threads()
                 # per head (the 4 threads of item 4h .. 4h + 3, one scale block each): m_h from the
                 # largest exponent field, then w' and the window of min_s (`_FP8_KEYS`)
-                if _FP8_SETUP_ONEPASS:
-                    for k in T.unroll(-(-H * 4 // _THREADS)):
-                        # one pass: each thread keeps its 32 query values and writes their E4M3 bytes
-                        item = k * _THREADS + tx
-                        mx = 0
-                        if item < H * 4:
-                            for v in T.unroll(4):
-                                for e in T.vectorized(8):
-                                    ql[v * 8 + e] = Q[b, s, item // 4, tx % 4 * 32 + v * 8 + e]
-                            for e in T.unroll(32):
-                                mx = T.max(mx, T.Cast("int32", T.shift_right(T.reinterpret(ql[e], "uint16"), T.uint16(7))
-                                                      & T.uint16(0xFF)))
-                        mx = T.max(mx, T.shfl_xor(mx, 1))
-                        mx = T.max(mx, T.shfl_xor(mx, 2))
-                        if item < H * 4:
-                            if tx % 4 == 0:
-                                T.call_extern("handle", "dsv41c_fp8_head", mx, T.address_of(W[b, s, item // 4]),
-                                              T.address_of(Ws8[item // 4]), T.address_of(MS[item // 4]),
-                                              T.address_of(LIM[0]), T.address_of(BAD[0]))
-                            # 2^-m_h (a bad head has set BAD; the clamp only keeps the bits a float)
-                            qsc = _pow2(-T.min(T.max(T.Select(mx == 0, 0, mx - 135), -126), 126))
-                            for e in T.unroll(32):  # dim 32 t + e sits in column _qperm8^-1
-                                Qs8[item // 4, e // 8 * 32 + e % 8 // 4 * 16 + tx % 4 * 4 + e % 4] = T.Cast(
-                                    "float8_e4m3fn", T.Cast("float32", ql[e]) * qsc)
-                                if T.Or(T.Cast("float32", T.Cast("float8_e4m3fn", T.Cast("float32", ql[e]) * qsc))
-                                        != T.Cast("float32", ql[e]) * qsc,
-                                        T.And(T.Cast("float32", ql[e]) * qsc == T.float32(0),
-                                              T.Cast("float32", ql[e]) != T.float32(0))):
-                                    BAD[0] = 1
-                else:
-                    for k in T.unroll(-(-H * 4 // _THREADS)):
-                        item = k * _THREADS + tx
-                        mx = 0
-                        if item < H * 4:
-                            mx = T.call_extern("int32", "dsv41c_max_exp32", T.address_of(Q[b, s, item // 4, item % 4 * 32]))
-                        mx = T.max(mx, T.shfl_xor(mx, 1))
-                        mx = T.max(mx, T.shfl_xor(mx, 2))
-                        if T.And(item < H * 4, item % 4 == 0):
-                            T.call_extern("handle", "dsv41c_fp8_head", mx, T.address_of(W[b, s, item // 4]),
-                                          T.address_of(Ws8[item // 4]), T.address_of(MS[item // 4]),
-                                          T.address_of(LIM[0]), T.address_of(BAD[0]))
-                    T.sync_threads()  # MS written
-                    for h, c in T.Parallel(H, d):
-                        Qs8[h, c] = T.Cast("float8_e4m3fn", T.Cast("float32", Q[b, s, h, _qperm8(c)]) * MS[h])
-                        if T.Or(T.Cast("float32", T.Cast("float8_e4m3fn", T.Cast("float32", Q[b, s, h, _qperm8(c)]) * MS[h]))
-                                != T.Cast("float32", Q[b, s, h, _qperm8(c)]) * MS[h],
-                                T.And(T.Cast("float32", Q[b, s, h, _qperm8(c)]) * MS[h] == T.float32(0),
-                                      T.Cast("float32", Q[b, s, h, _qperm8(c)]) != T.float32(0))):
-                            BAD[0] = 1
+                for k in T.unroll(-(-H * 4 // _THREADS)):
+                    item = k * _THREADS + tx
+                    mx = 0
+                    if item < H * 4:
+                        mx = T.call_extern("int32", "dsv41c_max_exp32", T.address_of(Q[b, s, item // 4, item % 4 * 32]))
+                    mx = T.max(mx, T.shfl_xor(mx, 1))
+                    mx = T.max(mx, T.shfl_xor(mx, 2))
+                    if T.And(item < H * 4, item % 4 == 0):
+                        T.call_extern("handle", "dsv41c_fp8_head", mx, T.address_of(W[b, s, item // 4]),
+                                      T.address_of(Ws8[item // 4]), T.address_of(MS[item // 4]),
+                                      T.address_of(LIM[0]), T.address_of(BAD[0]))
+                T.sync_threads()  # MS written
+                for h, c in T.Parallel(H, d):
+                    Qs8[h, c] = T.Cast("float8_e4m3fn", T.Cast("float32", Q[b, s, h, _qperm8(c)]) * MS[h])
+                    if T.Or(T.Cast("float32", T.Cast("float8_e4m3fn", T.Cast("float32", Q[b, s, h, _qperm8(c)]) * MS[h]))
+                            != T.Cast("float32", Q[b, s, h, _qperm8(c)]) * MS[h],
+                            T.And(T.Cast("float32", Q[b, s, h, _qperm8(c)]) * MS[h] == T.float32(0),
+                                  T.Cast("float32", Q[b, s, h, _qperm8(c)]) != T.float32(0))):
+                        BAD[0] = 1
                 T.sync_threads()
                 mnlo = LIM[0]
                 mnhi = LIM[1]
-                if _EPI_CVT_RELU:
-                    T.call_extern("handle", "dsv41c_load_w2", T.address_of(Ws8[0]), tx % 4, T.address_of(w2[0]), H // 8)
             lim = T.min(N, VL[s]) if visible else N
             nc = 0
             walk = tpc
@@ -1106,9 +1058,11 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                 walk = T.ceildiv(nc, tile_blocks)
             for mt in T.unroll(passes):
                 load(CODES, SCALES, LS, cl, sl, b, bx, tpc, 0, nc, lim, tx, mt)
+            if fp8:
+                fast = T.Cast("int32", BAD[0] == 0)  # the query's checks (read after the setup's last barrier)
             for it in T.serial(walk):
-                t, listed = row_key(LS, bx, tpc, it, tx, nc)  # this thread's key in the epilogue
-                if fp8:  # the tile's keys on the E4M3 path? (each thread its units; a warp vote)
+                t, listed = row_key(LS, bx, tpc, it, er, nc)  # this thread's key in the epilogue
+                if fp8:  # the tile's keys on the E4M3 path? (each thread its units, then the CTA's barrier)
                     okv = 1
                     for u in T.unroll(units):
                         mnl[u] = T.Cast("int32", sl[u])
@@ -1117,13 +1071,13 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                         # (a scale byte above 252 makes the ref's bf16 key inf or NaN: the bf16 path)
                         okv = T.Select(T.And(T.And(T.Cast("int32", sl[u]) - mnl[u] <= 11, sl[u] <= T.uint8(252)),
                                              T.And(mnl[u] >= mnlo, mnl[u] <= mnhi)), okv, 0)
-                    if T.call_extern("int32", "__any_sync", _u(0xFFFFFFFF), T.Cast("int32", okv == 0)) != 0:
-                        if tx % 32 == 0:
-                            BAD[0] = 1
-                # (a barrier: the previous tile's readers of As and Rs are done)
-                live = T.call_extern("int32", "__syncthreads_or", T.Cast("int32", T.And(listed, t < lim)))
-                if fp8:
-                    fast = T.Cast("int32", BAD[0] == 0)  # read before the epilogue's barrier: uniform
+                    # the tile's one barrier: a failing key anywhere in it sends the CTA to the bf16 path
+                    # from here on (uniform: the barrier's OR); the dense build's tiles are live by position
+                    if T.call_extern("int32", "__syncthreads_or", T.Cast("int32", okv == 0)) != 0:
+                        fast = 0
+                    live = T.Cast("int32", (bx * tpc + it) * _BN < lim)
+                else:  # (a barrier: the previous tile's readers of As and Rs are done)
+                    live = T.call_extern("int32", "__syncthreads_or", T.Cast("int32", T.And(listed, t < lim)))
                 for mt in T.unroll(passes):
                     if live != 0:
                         if fp8:
@@ -1162,12 +1116,8 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                         if fp8:
                             if fast != 0:
                                 T.gemm(As8, Qs8, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                                if _EPI_CVT_RELU:  # (acc and prod: the same element order, pairs in a word)
-                                    T.call_extern("handle", f"dsv41c_relu_mul<{H // 4}>", T.address_of(acc[0, 0]),
-                                                  T.address_of(w2[0]), T.address_of(prod[0, 0]))
-                                else:
-                                    for i, h in T.Parallel(gm, H):
-                                        prod[i, h] = T.max(T.Cast("bfloat16", acc[i, h]), T.bfloat16(0)) * Ws8[h]
+                                for i, h in T.Parallel(gm, H):
+                                    prod[i, h] = T.max(T.Cast("bfloat16", acc[i, h]), T.bfloat16(0)) * Ws8[h]
                             else:  # decoded here, a k half at a time; the next tile's bytes after
                                 for h2 in T.unroll(2):
                                     T.call_extern("handle", "dsv41c_decode_frag_half", T.address_of(cl[2 * mt + h2, 0]),
@@ -1203,9 +1153,12 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                             T.reduce_sum(acc, rsum, dim=1)
                             for i in T.Parallel(gm):
                                 Rs[mt * gm + i] = rsum[i]
-                T.sync_threads()
+                if regs:  # each warp reads the rows its own lanes wrote
+                    T.sync_warp()
+                else:
+                    T.sync_threads()
                 # (a skipped tile reads stale sums here; every one of its scores is masked below)
-                sv = T.Cast("float32", T.Cast("bfloat16", Rs[tx] * KS[tx] if fp8 else Rs[tx]))
+                sv = T.Cast("float32", T.Cast("bfloat16", Rs[er] * KS[er] if fp8 else Rs[er]))
                 sv = T.Select(sv == T.float32(0), T.float32(0), sv)  # -0 -> +0
                 if visible:
                     sv = T.Select(t >= VL[s], neg_inf, sv)
@@ -1215,7 +1168,7 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                     sv = T.Select(T.And(listed, t < N), sv, neg_inf)
                     for k in T.unroll(3):
                         sv = T.max(sv, T.shfl_xor(sv, 1 << k))
-                    if T.And(T.And(listed, t < N), tx % BLOCK == 0):
+                    if T.And(T.And(listed, t < N), er % BLOCK == 0):
                         BM[b, s, t // BLOCK] = T.Cast("bfloat16", sv)
     main = main.with_attr(NO_SYNC_ATTR, 1)  # its own barriers (TileLang's pass would add a redundant one)
     return main.with_attr(NO_GUARD_ATTR, 1) if _UNGUARDED else main
