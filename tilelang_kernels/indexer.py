@@ -391,7 +391,7 @@ def _scores_impl(q, codes, scales, w, visible_len, cand_blocks, n, block_max):
     args.append(_bits(sc, target))
     args.append(_bits(bm, target) if block_max else _bits(q.new_empty(1), target))
     if target != "c":
-        args.append(cuda_tiles_per_cta(n, b * s, even=cand_blocks is None and (visible_len is None or s == 1)))
+        args.append(cuda_tiles_per_cta(n, b * s))
     kernel(*args)
     return sc, bm
 
@@ -508,14 +508,11 @@ _THREADS = 128  # one warpgroup multiplying the tile's keys (= _BN)
 # registers) and 3 of 256 (71 registers), and with the keys in registers against 6 (80 registers,
 # small spills: slower): BENCHMARKS.md, indexer section.
 _CTAS_PER_SM = 5
-_MAX_TPC = 16  # key tiles a scoring CTA walks at most over several waves (`cuda_tiles_per_cta`)
-# a scoring CTA's setup in tiles' time, for the tile plan: on an H200 the E4M3 build's setup (957
-# instructions a warp, the query's loads and conversions, three barriers) took as much warp time
-# as about 3.7 tiles of its walk (ncu, batch 32 at 256K)
-_SETUP_TILES = 4
-# the tile plan may choose one wave of long walks (`cuda_tiles_per_cta`); 0: walks of at most
-# `_MAX_TPC` tiles always (the earlier plan, for side-by-side timing)
-_ONE_WAVE_PLAN = 1
+# key tiles a scoring CTA walks at most (`cuda_tiles_per_cta`).  The CTAs' setups (the query tile,
+# latency-bound) overlap other CTAs' walks (ALU-bound): on an H200 at batch 32, 256K one wave of
+# 640 CTAs walking 103 tiles each, a sixth of the setups, was slower than 4096 CTAs of 16 tiles
+# side by side (292.8 against 281.6 us; BENCHMARKS.md).
+_MAX_TPC = 16
 # CUDA scoring: the sum over heads as a second wgmma (the bf16 products relu(q.k) x w, left in
 # registers as its A operand, against a [H, 8] tile of ones) instead of fp32 adds and shuffles:
 # 5% faster at batch 32, 256K on an H200 (BENCHMARKS.md).  Its fp32 sum is in another order than
@@ -791,28 +788,14 @@ def _frag_a(i, c):
     return i // 16 * 32 + i % 8 * 4 + c % 8 // 2, c // 16 * 8 + c % 16 // 8 * 4 + i % 16 // 8 * 2 + c % 2
 
 
-def cuda_tiles_per_cta(n: int, rows: int, even: bool = True, slots: int | None = None) -> int:
-    """Key tiles each scoring CTA walks, for `rows` query rows over n keys.  CTAs of equal walks
-    run in waves of `slots` (default `_CTAS_PER_SM` per SM of an H200's 132), so the plan weighs
-    waves x (the walk + a setup of `_SETUP_TILES`) over two candidates: the fewest tiles a CTA
-    that fit all CTAs in one wave, or walks of at most `_MAX_TPC` tiles in as many waves as that
-    takes.  The first loads each query once for many keys; it is offered only where every row
-    walks all its tiles (`even`: no causal rows of different lengths, whose short walks would
-    leave the wave's slots idle) and for the dense build (the candidate list's shared array holds
-    `_MAX_TPC` tiles of blocks).  Every tile after a CTA's first has its key bytes in flight
-    during the previous tile's decode, GEMM and epilogue."""
+def cuda_tiles_per_cta(n: int, rows: int, slots: int | None = None) -> int:
+    """Key tiles each scoring CTA walks: the fewest that fit all CTAs in one wave of `slots`
+    (default `_CTAS_PER_SM` per SM of an H200's 132), at most `_MAX_TPC`; a longer walk loads the
+    query once for more keys, and every tile after the first has its key bytes in flight during
+    the previous tile's decode, GEMM and epilogue."""
     slots = _CTAS_PER_SM * 132 if slots is None else slots
     tiles = -(-n // _BN)
-
-    def cost(tpc):
-        return -(-rows * -(-tiles // tpc) // slots) * (tpc + _SETUP_TILES)
-
-    tpc = max(1, min(_MAX_TPC, tiles, -(-tiles * rows // slots)))
-    if _ONE_WAVE_PLAN and even and rows <= slots:
-        wide = -(-tiles // (slots // rows))
-        if cost(wide) < cost(tpc):
-            tpc = wide
-    return tpc
+    return max(1, min(_MAX_TPC, tiles, -(-tiles * rows // slots)))
 
 
 def _fragment(shape, frag):
@@ -933,10 +916,6 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
         with T.Kernel(S, T.ceildiv(N, _BN * tpc), B, threads=_THREADS, prelude=_DECODE_PRELUDE) as (s, bx, b):
             T.annotate_min_blocks_per_sm(_CTAS_PER_SM)  # the plan's CTAs per SM, in the register budget
             tx = T.get_thread_binding()
-            # the tile row this thread scores in the epilogue: with the keys in registers one of its
-            # own warp's (the GEMMs' rows 64 mt + 16 warp + 0..15, lanes 16 mt + 0..15), so that the
-            # head sums and key scales pass within the warp; 8 lanes in a row stay one block
-            er = tx % 32 // 16 * 64 + tx // 32 * 16 + tx % 16 if regs else tx
             if fp8:  # the two k halves of the bf16 path's operands (its GEMM in two)
                 Qs = T.alloc_shared((H, d // 2), "bfloat16")
                 Qs1 = T.alloc_shared((H, d // 2), "bfloat16")
@@ -967,7 +946,7 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                 MS = T.alloc_shared((H,), "float32")  # 2^-m_h
                 KS = T.alloc_shared((_BN,), "float32")  # the tile's keys' 2^(min_s - 122), 1 on the bf16 path
                 LIM = T.alloc_shared((2,), "int32")  # the window of min_s the query allows
-                BAD = T.alloc_shared((1,), "int32")  # the query fails a check: the bf16 path throughout
+                BAD = T.alloc_shared((1,), "int32")  # sticky: the bf16 path from here on
                 mnl = T.alloc_local((units,), "int32")
                 mnlo = T.alloc_var("int32")
                 mnhi = T.alloc_var("int32")
@@ -1058,11 +1037,9 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                 walk = T.ceildiv(nc, tile_blocks)
             for mt in T.unroll(passes):
                 load(CODES, SCALES, LS, cl, sl, b, bx, tpc, 0, nc, lim, tx, mt)
-            if fp8:
-                fast = T.Cast("int32", BAD[0] == 0)  # the query's checks (read after the setup's last barrier)
             for it in T.serial(walk):
-                t, listed = row_key(LS, bx, tpc, it, er, nc)  # this thread's key in the epilogue
-                if fp8:  # the tile's keys on the E4M3 path? (each thread its units, then the CTA's barrier)
+                t, listed = row_key(LS, bx, tpc, it, tx, nc)  # this thread's key in the epilogue
+                if fp8:  # the tile's keys on the E4M3 path? (each thread its units; a warp vote)
                     okv = 1
                     for u in T.unroll(units):
                         mnl[u] = T.Cast("int32", sl[u])
@@ -1071,13 +1048,13 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                         # (a scale byte above 252 makes the ref's bf16 key inf or NaN: the bf16 path)
                         okv = T.Select(T.And(T.And(T.Cast("int32", sl[u]) - mnl[u] <= 11, sl[u] <= T.uint8(252)),
                                              T.And(mnl[u] >= mnlo, mnl[u] <= mnhi)), okv, 0)
-                    # the tile's one barrier: a failing key anywhere in it sends the CTA to the bf16 path
-                    # from here on (uniform: the barrier's OR); the dense build's tiles are live by position
-                    if T.call_extern("int32", "__syncthreads_or", T.Cast("int32", okv == 0)) != 0:
-                        fast = 0
-                    live = T.Cast("int32", (bx * tpc + it) * _BN < lim)
-                else:  # (a barrier: the previous tile's readers of As and Rs are done)
-                    live = T.call_extern("int32", "__syncthreads_or", T.Cast("int32", T.And(listed, t < lim)))
+                    if T.call_extern("int32", "__any_sync", _u(0xFFFFFFFF), T.Cast("int32", okv == 0)) != 0:
+                        if tx % 32 == 0:
+                            BAD[0] = 1
+                # (a barrier: the previous tile's readers of As and Rs are done)
+                live = T.call_extern("int32", "__syncthreads_or", T.Cast("int32", T.And(listed, t < lim)))
+                if fp8:
+                    fast = T.Cast("int32", BAD[0] == 0)  # read before the epilogue's barrier: uniform
                 for mt in T.unroll(passes):
                     if live != 0:
                         if fp8:
@@ -1153,12 +1130,9 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                             T.reduce_sum(acc, rsum, dim=1)
                             for i in T.Parallel(gm):
                                 Rs[mt * gm + i] = rsum[i]
-                if regs:  # each warp reads the rows its own lanes wrote
-                    T.sync_warp()
-                else:
-                    T.sync_threads()
+                T.sync_threads()
                 # (a skipped tile reads stale sums here; every one of its scores is masked below)
-                sv = T.Cast("float32", T.Cast("bfloat16", Rs[er] * KS[er] if fp8 else Rs[er]))
+                sv = T.Cast("float32", T.Cast("bfloat16", Rs[tx] * KS[tx] if fp8 else Rs[tx]))
                 sv = T.Select(sv == T.float32(0), T.float32(0), sv)  # -0 -> +0
                 if visible:
                     sv = T.Select(t >= VL[s], neg_inf, sv)
@@ -1168,7 +1142,7 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                     sv = T.Select(T.And(listed, t < N), sv, neg_inf)
                     for k in T.unroll(3):
                         sv = T.max(sv, T.shfl_xor(sv, 1 << k))
-                    if T.And(T.And(listed, t < N), er % BLOCK == 0):
+                    if T.And(T.And(listed, t < N), tx % BLOCK == 0):
                         BM[b, s, t // BLOCK] = T.Cast("bfloat16", sv)
     main = main.with_attr(NO_SYNC_ATTR, 1)  # its own barriers (TileLang's pass would add a redundant one)
     return main.with_attr(NO_GUARD_ATTR, 1) if _UNGUARDED else main
