@@ -540,14 +540,16 @@ def _sm90_scores_source(cand=False):
 @pytest.mark.parametrize("sets", ({"_BN": 256, "_THREADS": 256, "_CTAS_PER_SM": 2},
                                   {"_BN": 256, "_THREADS": 256, "_CTAS_PER_SM": 3},
                                   {"_KEYS_IN_REGS": 0}, {"_HEAD_SUM_MMA": 0}, {"_UNGUARDED": 0},
-                                  {"_FP8_KEYS": 0}),
-                         ids=["2x256", "3x256", "shared_key_tile", "head_sum_by_adds", "guarded", "bf16_keys"])
+                                  {"_FP8_KEYS": 0}, {"_PASS_LOADS": 1}, {"_PASS_LOADS": 1, "_FP8_KEYS": 0}),
+                         ids=["2x256", "3x256", "shared_key_tile", "head_sum_by_adds", "guarded", "bf16_keys",
+                              "pass_loads", "pass_loads_bf16_keys"])
 def test_cuda_scores_variants(sets, monkeypatch):
     """The scoring's timed build choices other than the defaults (5 CTAs of 128 keys on one
     warpgroup, keys in registers, the head sum on the tensor cores, no TileLang guards, E4M3 keys
     where exact) against the ref: 256 keys on two warpgroups at 2 or 3 CTAs per SM, the shared key
-    tile, the head sum by adds, TileLang's guards, bf16 keys throughout; decode with and without
-    candidates, and a causal prefill."""
+    tile, the head sum by adds, TileLang's guards, bf16 keys throughout, the key bytes loaded from
+    running addresses (with E4M3 and with bf16 keys); decode with and without candidates, and a
+    causal prefill."""
     for name, value in sets.items():
         monkeypatch.setattr(K, name, value)
     K.build.cache_clear()  # builds are cached per op key, which does not name these switches
@@ -561,8 +563,9 @@ def test_cuda_scores_variants(sets, monkeypatch):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("h", (16, 32, 64))
-def test_cuda_scores_fp8_keys_fallbacks(h, monkeypatch):
+@pytest.mark.parametrize("h,sets", ((16, {}), (32, {}), (64, {}), (32, {"_PASS_LOADS": 1})),
+                         ids=["16", "32", "64", "32_pass_loads"])
+def test_cuda_scores_fp8_keys_fallbacks(h, sets, monkeypatch):
     """The E4M3 keys' GEMM (`_FP8_KEYS`) where it is exact and the bf16 path where it is not, in one
     call: batch rows with MXFP4 queries and rows with plain bf16 ones (not E4M3 after any power of
     two); keys whose scale blocks span more than 11 binades; a head with w = 0, one with a tiny w
@@ -571,6 +574,8 @@ def test_cuda_scores_fp8_keys_fallbacks(h, monkeypatch):
     tiles on the E4M3 path and then switch to the bf16 path midway.  (With candidate blocks the
     bf16 build runs.)"""
     monkeypatch.setattr(K, "_FP8_KEYS", 1)
+    for name, value in sets.items():
+        monkeypatch.setattr(K, name, value)
     K.build.cache_clear()
     try:
         seed = fresh_seed()
@@ -652,6 +657,20 @@ def test_cuda_scores_fp8_keys_lower_for_sm90(monkeypatch):
     monkeypatch.setattr(K, "_FP8_KEYS", 0)
     src = _sm90_scores_source()
     assert "kFloat8_e4m3" not in src and "dsv41c_fp8_head(mx" not in src and "dsv41c_decode_frag8((" not in src
+
+
+def test_cuda_scores_pass_loads_lower_for_sm90(monkeypatch):
+    """Without a GPU: `_PASS_LOADS` loads each pass's key bytes from the walk's running addresses
+    (set once from the CTA's first tile, stepped a tile each trip) in the dense builds, E4M3 and
+    bf16, and leaves the candidate-gathering build's per-unit loads alone."""
+    monkeypatch.setattr(K, "_PASS_LOADS", 1)
+    for fp8 in (1, 0):
+        monkeypatch.setattr(K, "_FP8_KEYS", fp8)
+        body = _sm90_scores_source().split("main_kernel")[-1]
+        assert body.count("dsv41c_addr(") == 2 and body.count("kp[0] = (kp[0] + (uint64_t)8192);") == 2
+        assert "dsv41c_load_pass(kp[0], kp[1]" in body and "CODES[" not in body.replace("dsv41c_addr((&(CODES[", "")
+    body = _sm90_scores_source(cand=True).split("main_kernel")[-1]
+    assert "dsv41c_load_pass(" not in body and "dsv41c_addr(" not in body
 
 
 def test_cuda_scores_lower_for_sm90(monkeypatch):

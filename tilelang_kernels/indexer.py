@@ -548,6 +548,15 @@ _UNGUARDED = 1
 # registers, no spills at 5 CTAs per SM; with the whole fragment it spills there).  At batch 32,
 # 256K on an H200: 308.7 -> 270.7 us; Reindex on it went 62.2 -> 80.7 us (BENCHMARKS.md).
 _FP8_KEYS = 1
+# CUDA scoring, dense builds with the keys in registers: each thread's key bytes loaded from two
+# running addresses (codes, scales: its first unit of the next tile, set once from the CTA's range
+# and stepped a tile each trip), every unit at an immediate offset from them (`dsv41c_load_pass`),
+# and no per-thread bounds test where a pass's 64 keys are all visible (a uniform test).  TileLang's
+# per-unit index arithmetic is 64-bit and, at the register limit, recomputed each tile: about 106
+# instructions a tile and warp on the E4M3 path (the H200 profile), mostly on the integer ALU pipe
+# that bounds the kernel; this way about 41, mostly uniform.  E4M3 build: 95 -> 91 registers, the
+# sm_90a SASS's integer class 1057 -> 979 (`benchmarks/sass.py`).  Not yet run on a GPU: off.
+_PASS_LOADS = 0
 # tests only: the E4M3 build's bf16 path writes NaN products, so that a test sees which keys took
 # the E4M3 path (those scores stay right) and which the bf16 one
 _FP8_POISON_BF16_PATH = 0
@@ -738,6 +747,36 @@ __device__ __forceinline__ void dsv41c_fp8_head(int mx, const void* w, void* ws8
   atomicMin(lim + 1, hi + 122);
 }
 
+// The address p as an integer (a running address the walk steps by a tile's bytes).
+__device__ __forceinline__ unsigned long long dsv41c_addr(const void* p) {
+  return reinterpret_cast<unsigned long long>(p);
+}
+
+// Pass mt's two units of this thread (`_PASS_LOADS`), rows r and r + 8 of the pass's 64 keys (r < 56),
+// one scale block: code bytes at cp + mt * 4096 and + 512 (64 bytes a key), scale bytes at sp + mt * 256
+// and + 32 (4 a key), where cp and sp are the thread's first unit of the tile (immediate offsets, no
+// address arithmetic).  Rows from `left` on (past the visible keys) are not read: zero codes and scale
+// byte z; where the whole pass is in range (a uniform test) no thread tests its rows.
+__device__ __forceinline__ void dsv41c_load_pass(unsigned long long cp, unsigned long long sp, int mt, int left, int r,
+                                                 unsigned z, void* cl, void* sl) {
+  const uint4* c = reinterpret_cast<const uint4*>(cp) + mt * 256;
+  const unsigned char* s = reinterpret_cast<const unsigned char*>(sp) + mt * 256;
+  uint4* o = reinterpret_cast<uint4*>(cl);
+  unsigned char* so = reinterpret_cast<unsigned char*>(sl);
+  if (left >= 64) {
+    o[0] = __ldg(c);
+    o[1] = __ldg(c + 32);
+    so[0] = __ldg(s);
+    so[1] = __ldg(s + 32);
+  } else {
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    o[0] = r < left ? __ldg(c) : zero;
+    o[1] = r + 8 < left ? __ldg(c + 32) : zero;
+    so[0] = r < left ? __ldg(s) : static_cast<unsigned char>(z);
+    so[1] = r + 8 < left ? __ldg(s + 32) : static_cast<unsigned char>(z);
+  }
+}
+
 // -inf into the scores p[0 .. min(left, 8)): one 16-byte store where all 8 are in the row and p is
 // aligned (each lane then writes whole sectors, not 2 bytes of one per store), else one at a time.
 __device__ __forceinline__ void dsv41c_fill_neg_inf8(void* p, int left) {
@@ -870,6 +909,7 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
     gm = 64 if regs else _BN
     passes = _BN // gm
     fp8 = fp8_scoring(H, d, cand)
+    pass_loads = bool(_PASS_LOADS) and regs and not cand
     neg_inf = T.float32(-T.infinity("float32"))
 
     def row_key(LS, bx, tpc, it, r, nc):
@@ -891,20 +931,25 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
         return (u * warps + tx // 32) * rows_per_warp + lane % rows_per_warp, lane // rows_per_warp
 
     @T.macro
-    def load(CODES, SCALES, LS, cl, sl, b, bx, tpc, it, nc, lim, tx, mt):
+    def load(CODES, SCALES, LS, cl, sl, b, bx, tpc, it, nc, lim, tx, mt, kp):
         """The code bytes (16-byte loads) and scale bytes of the CTA's tile it: the units of pass mt."""
-        for uu in T.unroll(units // passes):
-            u = mt * (units // passes) + uu
-            r, j = unit_key(tx, u)
-            t, listed = row_key(LS, bx, tpc, it, r, nc)
-            if T.And(listed, t < lim):
-                for e in T.vectorized(16):
-                    cl[u, e] = CODES[b, t, j * 16 + e]
-                sl[u] = SCALES[b, t, j]
-            else:
-                for e in T.vectorized(16):
-                    cl[u, e] = T.uint8(0)
-                sl[u] = T.uint8(127 if fp8 else 0)  # zero codes: 0 at any scale; 127 passes the E4M3 test
+        if pass_loads:  # the pass's two units from the walk's running addresses kp (`_PASS_LOADS`)
+            r, _ = unit_key(tx, 2 * mt)
+            T.call_extern("handle", "dsv41c_load_pass", kp[0], kp[1], mt, lim - (bx * tpc + it) * _BN - mt * 64,
+                          r - mt * 64, 127 if fp8 else 0, T.address_of(cl[2 * mt, 0]), T.address_of(sl[2 * mt]))
+        else:
+            for uu in T.unroll(units // passes):
+                u = mt * (units // passes) + uu
+                r, j = unit_key(tx, u)
+                t, listed = row_key(LS, bx, tpc, it, r, nc)
+                if T.And(listed, t < lim):
+                    for e in T.vectorized(16):
+                        cl[u, e] = CODES[b, t, j * 16 + e]
+                    sl[u] = SCALES[b, t, j]
+                else:
+                    for e in T.vectorized(16):
+                        cl[u, e] = T.uint8(0)
+                    sl[u] = T.uint8(127 if fp8 else 0)  # zero codes: 0 at any scale; 127 passes the E4M3 test
 
     @T.prim_func
     def main(Q: T.Tensor((B, S, H, d), "bfloat16"), CODES: T.Tensor((B, NC, d // 2), "uint8"),
@@ -954,6 +999,7 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                 okv = T.alloc_var("int32")
                 mx = T.alloc_var("int32")
             cl = T.alloc_local((units, 16), "uint8")
+            kp = T.alloc_local((2,), "uint64")  # `_PASS_LOADS`: the next tile's key bytes, codes and scales
             sl = T.alloc_local((units,), "uint8")
             if not regs:
                 al = T.alloc_local((32,), "bfloat16")  # one decoded unit, on its way to As
@@ -1035,8 +1081,15 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                 T.sync_threads()
                 nc = cnt[0]
                 walk = T.ceildiv(nc, tile_blocks)
+            if pass_loads:  # the thread's first unit of the walk's first tile: codes and scale byte
+                r0, j0 = unit_key(tx, 0)
+                kp[0] = T.call_extern("uint64", "dsv41c_addr", T.address_of(CODES[b, bx * tpc * _BN + r0, j0 * 16]))
+                kp[1] = T.call_extern("uint64", "dsv41c_addr", T.address_of(SCALES[b, bx * tpc * _BN + r0, j0]))
             for mt in T.unroll(passes):
-                load(CODES, SCALES, LS, cl, sl, b, bx, tpc, 0, nc, lim, tx, mt)
+                load(CODES, SCALES, LS, cl, sl, b, bx, tpc, 0, nc, lim, tx, mt, kp)
+            if pass_loads:  # from here on kp is the next tile's (the loads run a tile ahead)
+                kp[0] = kp[0] + T.uint64(_BN * d // 2)
+                kp[1] = kp[1] + T.uint64(_BN * nsb)
             for it in T.serial(walk):
                 t, listed = row_key(LS, bx, tpc, it, tx, nc)  # this thread's key in the epilogue
                 if fp8:  # the tile's keys on the E4M3 path? (each thread its units; a warp vote)
@@ -1082,9 +1135,9 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                     if it + 1 < walk:  # the next tile's bytes travel during this tile's GEMM
                         if fp8:  # (the bf16 path's decode reads this pass's bytes after its first GEMM)
                             if fast != 0:
-                                load(CODES, SCALES, LS, cl, sl, b, bx, tpc, it + 1, nc, lim, tx, mt)
+                                load(CODES, SCALES, LS, cl, sl, b, bx, tpc, it + 1, nc, lim, tx, mt, kp)
                         else:
-                            load(CODES, SCALES, LS, cl, sl, b, bx, tpc, it + 1, nc, lim, tx, mt)
+                            load(CODES, SCALES, LS, cl, sl, b, bx, tpc, it + 1, nc, lim, tx, mt, kp)
                     if not regs:
                         T.sync_threads()  # As is written
                     if live != 0:
@@ -1105,7 +1158,7 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                                                   T.Cast("uint32", sl[2 * mt + h2]), T.address_of(As[0, 0]), h2)
                                 T.gemm(As, Qs1, acc, transpose_B=True, clear_accum=False, policy=T.GemmWarpPolicy.FullRow)
                                 if it + 1 < walk:
-                                    load(CODES, SCALES, LS, cl, sl, b, bx, tpc, it + 1, nc, lim, tx, mt)
+                                    load(CODES, SCALES, LS, cl, sl, b, bx, tpc, it + 1, nc, lim, tx, mt, kp)
                                 for i, h in T.Parallel(gm, H):
                                     prod[i, h] = T.max(T.Cast("bfloat16", acc[i, h]), T.bfloat16(0)) * Ws[h]
                                 if _FP8_POISON_BF16_PATH:  # (tests: which tiles took this path)
@@ -1130,6 +1183,9 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                             T.reduce_sum(acc, rsum, dim=1)
                             for i in T.Parallel(gm):
                                 Rs[mt * gm + i] = rsum[i]
+                if pass_loads:
+                    kp[0] = kp[0] + T.uint64(_BN * d // 2)
+                    kp[1] = kp[1] + T.uint64(_BN * nsb)
                 T.sync_threads()
                 # (a skipped tile reads stale sums here; every one of its scores is masked below)
                 sv = T.Cast("float32", T.Cast("bfloat16", Rs[tx] * KS[tx] if fp8 else Rs[tx]))
