@@ -554,8 +554,9 @@ _FP8_KEYS = 1
 # and no per-thread bounds test where a pass's 64 keys are all visible (a uniform test).  TileLang's
 # per-unit index arithmetic is 64-bit and, at the register limit, recomputed each tile: about 106
 # instructions a tile and warp on the E4M3 path (the H200 profile), mostly on the integer ALU pipe
-# that bounds the kernel; this way about 41, mostly uniform.  E4M3 build: 95 -> 91 registers, the
-# sm_90a SASS's integer class 1057 -> 979 (`benchmarks/sass.py`).  Not yet run on a GPU: off.
+# that bounds the kernel; this way about 41, mostly uniform (and the scale bytes held as int32, so
+# the tile's check does not mask them).  E4M3 build: 95 -> 90 registers, the sm_90a SASS's integer
+# class 1057 -> 953 (`benchmarks/sass.py`).  Not yet run on a GPU: off.
 _PASS_LOADS = 0
 # tests only: the E4M3 build's bf16 path writes NaN products, so that a test sees which keys took
 # the E4M3 path (those scores stay right) and which the bf16 one
@@ -753,7 +754,7 @@ __device__ __forceinline__ unsigned long long dsv41c_addr(const void* p) {
 }
 
 // Pass mt's two units of this thread (`_PASS_LOADS`), rows r and r + 8 of the pass's 64 keys (r < 56),
-// one scale block: code bytes at cp + mt * 4096 and + 512 (64 bytes a key), scale bytes at sp + mt * 256
+// one scale block (its byte into an int): code bytes at cp + mt * 4096 and + 512 (64 bytes a key), scale bytes at sp + mt * 256
 // and + 32 (4 a key), where cp and sp are the thread's first unit of the tile (immediate offsets, no
 // address arithmetic).  Rows from `left` on (past the visible keys) are not read: zero codes and scale
 // byte z; where the whole pass is in range (a uniform test) no thread tests its rows.
@@ -762,7 +763,7 @@ __device__ __forceinline__ void dsv41c_load_pass(unsigned long long cp, unsigned
   const uint4* c = reinterpret_cast<const uint4*>(cp) + mt * 256;
   const unsigned char* s = reinterpret_cast<const unsigned char*>(sp) + mt * 256;
   uint4* o = reinterpret_cast<uint4*>(cl);
-  unsigned char* so = reinterpret_cast<unsigned char*>(sl);
+  int* so = reinterpret_cast<int*>(sl);
   if (left >= 64) {
     o[0] = __ldg(c);
     o[1] = __ldg(c + 32);
@@ -772,8 +773,8 @@ __device__ __forceinline__ void dsv41c_load_pass(unsigned long long cp, unsigned
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
     o[0] = r < left ? __ldg(c) : zero;
     o[1] = r + 8 < left ? __ldg(c + 32) : zero;
-    so[0] = r < left ? __ldg(s) : static_cast<unsigned char>(z);
-    so[1] = r + 8 < left ? __ldg(s + 32) : static_cast<unsigned char>(z);
+    so[0] = r < left ? static_cast<int>(__ldg(s)) : static_cast<int>(z);
+    so[1] = r + 8 < left ? static_cast<int>(__ldg(s + 32)) : static_cast<int>(z);
   }
 }
 
@@ -930,6 +931,10 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
             return u // 2 * 64 + tx // 32 * 16 + u % 2 * 8 + lane // 4, lane % 4
         return (u * warps + tx // 32) * rows_per_warp + lane % rows_per_warp, lane // rows_per_warp
 
+    def scale_ok(v):
+        """A scale byte v (int32 with `_PASS_LOADS`, else uint8) at most 252."""
+        return T.Cast("int32", v) <= 252 if pass_loads else v <= T.uint8(252)
+
     @T.macro
     def load(CODES, SCALES, LS, cl, sl, b, bx, tpc, it, nc, lim, tx, mt, kp):
         """The code bytes (16-byte loads) and scale bytes of the CTA's tile it: the units of pass mt."""
@@ -1000,7 +1005,7 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                 mx = T.alloc_var("int32")
             cl = T.alloc_local((units, 16), "uint8")
             kp = T.alloc_local((2,), "uint64")  # `_PASS_LOADS`: the next tile's key bytes, codes and scales
-            sl = T.alloc_local((units,), "uint8")
+            sl = T.alloc_local((units,), "int32" if pass_loads else "uint8")  # (int32: no masks of its bytes)
             if not regs:
                 al = T.alloc_local((32,), "bfloat16")  # one decoded unit, on its way to As
             sv = T.alloc_var("float32")
@@ -1099,7 +1104,7 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                         mnl[u] = T.min(mnl[u], T.shfl_xor(mnl[u], 1))
                         mnl[u] = T.min(mnl[u], T.shfl_xor(mnl[u], 2))
                         # (a scale byte above 252 makes the ref's bf16 key inf or NaN: the bf16 path)
-                        okv = T.Select(T.And(T.And(T.Cast("int32", sl[u]) - mnl[u] <= 11, sl[u] <= T.uint8(252)),
+                        okv = T.Select(T.And(T.And(T.Cast("int32", sl[u]) - mnl[u] <= 11, scale_ok(sl[u])),
                                              T.And(mnl[u] >= mnlo, mnl[u] <= mnhi)), okv, 0)
                     if T.call_extern("int32", "__any_sync", _u(0xFFFFFFFF), T.Cast("int32", okv == 0)) != 0:
                         if tx % 32 == 0:
