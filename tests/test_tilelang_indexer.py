@@ -540,9 +540,9 @@ def _sm90_scores_source(cand=False):
 @pytest.mark.parametrize("sets", ({"_BN": 256, "_THREADS": 256, "_CTAS_PER_SM": 2},
                                   {"_BN": 256, "_THREADS": 256, "_CTAS_PER_SM": 3},
                                   {"_KEYS_IN_REGS": 0}, {"_HEAD_SUM_MMA": 0}, {"_UNGUARDED": 0},
-                                  {"_FP8_KEYS": 0}, {"_PASS_LOADS": 1}, {"_PASS_LOADS": 1, "_FP8_KEYS": 0}),
+                                  {"_FP8_KEYS": 0}, {"_RUNNING_ADDRS": 1}, {"_RUNNING_ADDRS": 1, "_FP8_KEYS": 0}),
                          ids=["2x256", "3x256", "shared_key_tile", "head_sum_by_adds", "guarded", "bf16_keys",
-                              "pass_loads", "pass_loads_bf16_keys"])
+                              "running_addrs", "running_addrs_bf16_keys"])
 def test_cuda_scores_variants(sets, monkeypatch):
     """The scoring's timed build choices other than the defaults (5 CTAs of 128 keys on one
     warpgroup, keys in registers, the head sum on the tensor cores, no TileLang guards, E4M3 keys
@@ -563,8 +563,8 @@ def test_cuda_scores_variants(sets, monkeypatch):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("h,sets", ((16, {}), (32, {}), (64, {}), (32, {"_PASS_LOADS": 1})),
-                         ids=["16", "32", "64", "32_pass_loads"])
+@pytest.mark.parametrize("h,sets", ((16, {}), (32, {}), (64, {}), (32, {"_RUNNING_ADDRS": 1})),
+                         ids=["16", "32", "64", "32_running_addrs"])
 def test_cuda_scores_fp8_keys_fallbacks(h, sets, monkeypatch):
     """The E4M3 keys' GEMM (`_FP8_KEYS`) where it is exact and the bf16 path where it is not, in one
     call: batch rows with MXFP4 queries and rows with plain bf16 ones (not E4M3 after any power of
@@ -659,18 +659,22 @@ def test_cuda_scores_fp8_keys_lower_for_sm90(monkeypatch):
     assert "kFloat8_e4m3" not in src and "dsv41c_fp8_head(mx" not in src and "dsv41c_decode_frag8((" not in src
 
 
-def test_cuda_scores_pass_loads_lower_for_sm90(monkeypatch):
-    """Without a GPU: `_PASS_LOADS` loads each pass's key bytes from the walk's running addresses
-    (set once from the CTA's first tile, stepped a tile each trip) in the dense builds, E4M3 and
-    bf16, and leaves the candidate-gathering build's per-unit loads alone."""
-    monkeypatch.setattr(K, "_PASS_LOADS", 1)
+def test_cuda_scores_running_addrs_lower_for_sm90(monkeypatch):
+    """Without a GPU: `_RUNNING_ADDRS` takes each pass's key bytes from the walk's running addresses
+    and stores the scores and block maxima through two more (set once from the CTA's range, stepped
+    a tile each trip) in the dense builds, E4M3 and bf16, and leaves the candidate-gathering build's
+    own indexing alone."""
+    monkeypatch.setattr(K, "_RUNNING_ADDRS", 1)
     for fp8 in (1, 0):
         monkeypatch.setattr(K, "_FP8_KEYS", fp8)
         body = _sm90_scores_source().split("main_kernel")[-1]
-        assert body.count("dsv41c_addr(") == 2 and body.count("kp[0] = (kp[0] + (uint64_t)8192);") == 2
-        assert "dsv41c_load_pass(kp[0], kp[1]" in body and "CODES[" not in body.replace("dsv41c_addr((&(CODES[", "")
+        assert body.count("dsv41c_addr(") == 4 and body.count("kp[0] = (kp[0] + (uint64_t)8192);") == 2
+        assert body.count("kp[2] = (kp[2] + (uint64_t)256);") == 1 and body.count("kp[3] = (kp[3] + (uint64_t)32);") == 1
+        assert "dsv41c_load_pass(kp[0], kp[1]" in body and body.count("dsv41c_st_bf16(kp[") == 2
+        for buf in ("CODES", "SCALES", "SC", "BM"):  # no other indexing of them
+            assert f"{buf}[" not in body.replace(f"dsv41c_addr((&({buf}[", ""), buf
     body = _sm90_scores_source(cand=True).split("main_kernel")[-1]
-    assert "dsv41c_load_pass(" not in body and "dsv41c_addr(" not in body
+    assert "dsv41c_load_pass(" not in body and "dsv41c_addr(" not in body and "dsv41c_st_bf16(" not in body
 
 
 def test_cuda_scores_lower_for_sm90(monkeypatch):

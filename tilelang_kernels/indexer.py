@@ -548,16 +548,18 @@ _UNGUARDED = 1
 # registers, no spills at 5 CTAs per SM; with the whole fragment it spills there).  At batch 32,
 # 256K on an H200: 308.7 -> 270.7 us; Reindex on it went 62.2 -> 80.7 us (BENCHMARKS.md).
 _FP8_KEYS = 1
-# CUDA scoring, dense builds with the keys in registers: each thread's key bytes loaded from two
-# running addresses (codes, scales: its first unit of the next tile, set once from the CTA's range
-# and stepped a tile each trip), every unit at an immediate offset from them (`dsv41c_load_pass`),
-# and no per-thread bounds test where a pass's 64 keys are all visible (a uniform test).  TileLang's
-# per-unit index arithmetic is 64-bit and, at the register limit, recomputed each tile: about 106
-# instructions a tile and warp on the E4M3 path (the H200 profile), mostly on the integer ALU pipe
-# that bounds the kernel; this way about 41, mostly uniform (and the scale bytes held as int32, so
-# the tile's check does not mask them).  E4M3 build: 95 -> 90 registers, the sm_90a SASS's integer
-# class 1057 -> 953 (`benchmarks/sass.py`).  Not yet run on a GPU: off.
-_PASS_LOADS = 0
+# CUDA scoring, dense builds with the keys in registers: the walk's global accesses through running
+# addresses, set once from the CTA's range and stepped a tile each trip.  Each thread's key bytes
+# come from two (codes, scales: its first unit of the next tile), every unit at an immediate offset
+# (`dsv41c_load_pass`), with no per-thread bounds test where a pass's 64 keys are all visible (a
+# uniform test); its score and block max go to two more (`dsv41c_st_bf16`).  TileLang's per-unit
+# index arithmetic is 64-bit and, at the register limit, recomputed each tile: about 106
+# instructions a tile and warp for the loads on the E4M3 path (the H200 profile), mostly on the
+# integer ALU pipe that bounds the kernel; this way about 41, mostly uniform; the score and block
+# max stores' epilogue about 62 -> 35.  The scale bytes are held as int32 (the tile's check does
+# not mask them).  E4M3 build: 95 registers either way, no spills; the sm_90a SASS's loop 1335 ->
+# 1219 instructions, its integer class 1057 -> 973 (`benchmarks/sass.py`).  Not yet run on a GPU: off.
+_RUNNING_ADDRS = 0
 # tests only: the E4M3 build's bf16 path writes NaN products, so that a test sees which keys took
 # the E4M3 path (those scores stay right) and which the bf16 one
 _FP8_POISON_BF16_PATH = 0
@@ -753,7 +755,13 @@ __device__ __forceinline__ unsigned long long dsv41c_addr(const void* p) {
   return reinterpret_cast<unsigned long long>(p);
 }
 
-// Pass mt's two units of this thread (`_PASS_LOADS`), rows r and r + 8 of the pass's 64 keys (r < 56),
+// Stores the bf16 value v (a float that bf16 holds exactly: its top half) at the global address p.
+__device__ __forceinline__ void dsv41c_st_bf16(unsigned long long p, float v) {
+  const unsigned short h = static_cast<unsigned short>(__float_as_uint(v) >> 16);
+  asm volatile("st.global.b16 [%0], %1;" : : "l"(p), "h"(h) : "memory");
+}
+
+// Pass mt's two units of this thread (`_RUNNING_ADDRS`), rows r and r + 8 of the pass's 64 keys (r < 56),
 // one scale block (its byte into an int): code bytes at cp + mt * 4096 and + 512 (64 bytes a key), scale bytes at sp + mt * 256
 // and + 32 (4 a key), where cp and sp are the thread's first unit of the tile (immediate offsets, no
 // address arithmetic).  Rows from `left` on (past the visible keys) are not read: zero codes and scale
@@ -910,7 +918,7 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
     gm = 64 if regs else _BN
     passes = _BN // gm
     fp8 = fp8_scoring(H, d, cand)
-    pass_loads = bool(_PASS_LOADS) and regs and not cand
+    running = bool(_RUNNING_ADDRS) and regs and not cand
     neg_inf = T.float32(-T.infinity("float32"))
 
     def row_key(LS, bx, tpc, it, r, nc):
@@ -932,13 +940,13 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
         return (u * warps + tx // 32) * rows_per_warp + lane % rows_per_warp, lane // rows_per_warp
 
     def scale_ok(v):
-        """A scale byte v (int32 with `_PASS_LOADS`, else uint8) at most 252."""
-        return T.Cast("int32", v) <= 252 if pass_loads else v <= T.uint8(252)
+        """A scale byte v (int32 with `_RUNNING_ADDRS`, else uint8) at most 252."""
+        return T.Cast("int32", v) <= 252 if running else v <= T.uint8(252)
 
     @T.macro
     def load(CODES, SCALES, LS, cl, sl, b, bx, tpc, it, nc, lim, tx, mt, kp):
         """The code bytes (16-byte loads) and scale bytes of the CTA's tile it: the units of pass mt."""
-        if pass_loads:  # the pass's two units from the walk's running addresses kp (`_PASS_LOADS`)
+        if running:  # the pass's two units from the walk's running addresses kp (`_RUNNING_ADDRS`)
             r, _ = unit_key(tx, 2 * mt)
             T.call_extern("handle", "dsv41c_load_pass", kp[0], kp[1], mt, lim - (bx * tpc + it) * _BN - mt * 64,
                           r - mt * 64, 127 if fp8 else 0, T.address_of(cl[2 * mt, 0]), T.address_of(sl[2 * mt]))
@@ -1004,8 +1012,9 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                 okv = T.alloc_var("int32")
                 mx = T.alloc_var("int32")
             cl = T.alloc_local((units, 16), "uint8")
-            kp = T.alloc_local((2,), "uint64")  # `_PASS_LOADS`: the next tile's key bytes, codes and scales
-            sl = T.alloc_local((units,), "int32" if pass_loads else "uint8")  # (int32: no masks of its bytes)
+            # `_RUNNING_ADDRS`: the next tile's key bytes (codes, scales), this tile's score and block max
+            kp = T.alloc_local((4,), "uint64")
+            sl = T.alloc_local((units,), "int32" if running else "uint8")  # (int32: no masks of its bytes)
             if not regs:
                 al = T.alloc_local((32,), "bfloat16")  # one decoded unit, on its way to As
             sv = T.alloc_var("float32")
@@ -1086,13 +1095,16 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                 T.sync_threads()
                 nc = cnt[0]
                 walk = T.ceildiv(nc, tile_blocks)
-            if pass_loads:  # the thread's first unit of the walk's first tile: codes and scale byte
+            if running:  # the thread's first unit of the walk's first tile (codes, scale byte), its score, block max
                 r0, j0 = unit_key(tx, 0)
                 kp[0] = T.call_extern("uint64", "dsv41c_addr", T.address_of(CODES[b, bx * tpc * _BN + r0, j0 * 16]))
                 kp[1] = T.call_extern("uint64", "dsv41c_addr", T.address_of(SCALES[b, bx * tpc * _BN + r0, j0]))
+                kp[2] = T.call_extern("uint64", "dsv41c_addr", T.address_of(SC[b, s, bx * tpc * _BN + tx]))
+                if bmax:
+                    kp[3] = T.call_extern("uint64", "dsv41c_addr", T.address_of(BM[b, s, bx * tpc * tile_blocks + tx // BLOCK]))
             for mt in T.unroll(passes):
                 load(CODES, SCALES, LS, cl, sl, b, bx, tpc, 0, nc, lim, tx, mt, kp)
-            if pass_loads:  # from here on kp is the next tile's (the loads run a tile ahead)
+            if running:  # from here on kp is the next tile's (the loads run a tile ahead)
                 kp[0] = kp[0] + T.uint64(_BN * d // 2)
                 kp[1] = kp[1] + T.uint64(_BN * nsb)
             for it in T.serial(walk):
@@ -1188,7 +1200,7 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                             T.reduce_sum(acc, rsum, dim=1)
                             for i in T.Parallel(gm):
                                 Rs[mt * gm + i] = rsum[i]
-                if pass_loads:
+                if running:
                     kp[0] = kp[0] + T.uint64(_BN * d // 2)
                     kp[1] = kp[1] + T.uint64(_BN * nsb)
                 T.sync_threads()
@@ -1198,13 +1210,23 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                 if visible:
                     sv = T.Select(t >= VL[s], neg_inf, sv)
                 if T.And(listed, t < N):
-                    SC[b, s, t] = T.Cast("bfloat16", sv)
+                    if running:  # (sv is a bf16 value: its top half is the score)
+                        T.call_extern("handle", "dsv41c_st_bf16", kp[2], sv)
+                    else:
+                        SC[b, s, t] = T.Cast("bfloat16", sv)
                 if bmax:
                     sv = T.Select(T.And(listed, t < N), sv, neg_inf)
                     for k in T.unroll(3):
                         sv = T.max(sv, T.shfl_xor(sv, 1 << k))
                     if T.And(T.And(listed, t < N), tx % BLOCK == 0):
-                        BM[b, s, t // BLOCK] = T.Cast("bfloat16", sv)
+                        if running:
+                            T.call_extern("handle", "dsv41c_st_bf16", kp[3], sv)
+                        else:
+                            BM[b, s, t // BLOCK] = T.Cast("bfloat16", sv)
+                if running:  # the next tile's score and block max
+                    kp[2] = kp[2] + T.uint64(_BN * 2)
+                    if bmax:
+                        kp[3] = kp[3] + T.uint64(tile_blocks * 2)
     main = main.with_attr(NO_SYNC_ATTR, 1)  # its own barriers (TileLang's pass would add a redundant one)
     return main.with_attr(NO_GUARD_ATTR, 1) if _UNGUARDED else main
 
