@@ -540,16 +540,17 @@ def _sm90_scores_source(cand=False):
 @pytest.mark.parametrize("sets", ({"_BN": 256, "_THREADS": 256, "_CTAS_PER_SM": 2},
                                   {"_BN": 256, "_THREADS": 256, "_CTAS_PER_SM": 3},
                                   {"_KEYS_IN_REGS": 0}, {"_HEAD_SUM_MMA": 0}, {"_UNGUARDED": 0},
-                                  {"_FP8_KEYS": 0}, {"_RUNNING_ADDRS": 1}, {"_RUNNING_ADDRS": 1, "_FP8_KEYS": 0}),
+                                  {"_FP8_KEYS": 0}, {"_RUNNING_ADDRS": 1}, {"_RUNNING_ADDRS": 1, "_FP8_KEYS": 0},
+                                  {"_RUNNING_ADDRS": 1, "_DECODE_IMAD_HI": 1}),
                          ids=["2x256", "3x256", "shared_key_tile", "head_sum_by_adds", "guarded", "bf16_keys",
-                              "running_addrs", "running_addrs_bf16_keys"])
+                              "running_addrs", "running_addrs_bf16_keys", "running_addrs_imad_hi"])
 def test_cuda_scores_variants(sets, monkeypatch):
     """The scoring's timed build choices other than the defaults (5 CTAs of 128 keys on one
     warpgroup, keys in registers, the head sum on the tensor cores, no TileLang guards, E4M3 keys
     where exact) against the ref: 256 keys on two warpgroups at 2 or 3 CTAs per SM, the shared key
-    tile, the head sum by adds, TileLang's guards, bf16 keys throughout, the key bytes loaded from
-    running addresses (with E4M3 and with bf16 keys); decode with and without candidates, and a
-    causal prefill."""
+    tile, the head sum by adds, TileLang's guards, bf16 keys throughout, the walk's global accesses
+    through running addresses (with E4M3 and with bf16 keys, and with the E4M3 decode's IMAD.HI);
+    decode with and without candidates, and a causal prefill."""
     for name, value in sets.items():
         monkeypatch.setattr(K, name, value)
     K.build.cache_clear()  # builds are cached per op key, which does not name these switches
@@ -675,6 +676,13 @@ def test_cuda_scores_running_addrs_lower_for_sm90(monkeypatch):
             assert f"{buf}[" not in body.replace(f"dsv41c_addr((&({buf}[", ""), buf
     body = _sm90_scores_source(cand=True).split("main_kernel")[-1]
     assert "dsv41c_load_pass(" not in body and "dsv41c_addr(" not in body and "dsv41c_st_bf16(" not in body
+    # `_DECODE_IMAD_HI`: the E4M3 decode's instance with the high selectors by mul.hi
+    monkeypatch.setattr(K, "_FP8_KEYS", 1)
+    body = _sm90_scores_source().split("main_kernel")[-1]
+    assert "dsv41c_decode_frag8((" in body and "dsv41c_decode_frag8_t<true>((" not in body
+    monkeypatch.setattr(K, "_DECODE_IMAD_HI", 1)
+    body = _sm90_scores_source().split("main_kernel")[-1]
+    assert body.count("dsv41c_decode_frag8_t<true>((") == 1 and "dsv41c_decode_frag8((" not in body
 
 
 def test_cuda_scores_lower_for_sm90(monkeypatch):

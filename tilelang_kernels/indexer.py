@@ -560,6 +560,11 @@ _FP8_KEYS = 1
 # not mask them).  E4M3 build: 95 registers either way, no spills; the sm_90a SASS's loop 1335 ->
 # 1219 instructions, its integer class 1057 -> 973 (`benchmarks/sass.py`).  Not yet run on a GPU: off.
 _RUNNING_ADDRS = 0
+# CUDA scoring, E4M3 path: the decode's high-nibble selectors (m >> 16, one a code word) by IMAD.HI on
+# the FMA pipe instead of a shift on the integer ALU pipe (`dsv41c_decode_frag8_t`): 16 of the about
+# 313 ALU-pipe instructions a tile and warp move to the FMA pipe (22% busy in the H200 profile).
+# Not yet run on a GPU: off.
+_DECODE_IMAD_HI = 0
 # tests only: the E4M3 build's bf16 path writes NaN products, so that a test sees which keys took
 # the E4M3 path (those scores stay right) and which the bf16 one
 _FP8_POISON_BF16_PATH = 0
@@ -691,7 +696,16 @@ __device__ __forceinline__ unsigned dsv41c_prmt(unsigned a, unsigned b, unsigned
 // sign of nibble i (bit 4i + 3) goes to bit 7 of byte i: one permute of w << 4 and w takes bytes
 // whose bit 7 is that sign.  Code word q (nibbles 0..3 and 4..7: dims 8q + 0..3 and 8q + 4..7 of
 // the scale block) fills k step q, column halves 0 and 1 (`_qperm8`).
-__device__ __forceinline__ void dsv41c_decode_frag8(const void* codes, unsigned j, void* frag, int h) {
+// (kImadHi, `_DECODE_IMAD_HI`: the high nibbles' selectors m >> 16 as mul.hi by 2^16, an IMAD.HI on
+// the FMA pipe, instead of a shift on the integer ALU pipe that bounds the scoring)
+__device__ __forceinline__ unsigned dsv41c_hi16(unsigned m) {
+  unsigned h;
+  asm("mul.hi.u32 %0, %1, 65536;" : "=r"(h) : "r"(m));
+  return h;
+}
+
+template <bool kImadHi>
+__device__ __forceinline__ void dsv41c_decode_frag8_t(const void* codes, unsigned j, void* frag, int h) {
   uint4 c = *reinterpret_cast<const uint4*>(codes);
   unsigned words[4] = {c.x, c.y, c.z, c.w};
   unsigned lo = 0x14100800u + j * 0x08080800u, hi = 0x24201C18u + j * 0x08080808u;
@@ -699,10 +713,14 @@ __device__ __forceinline__ void dsv41c_decode_frag8(const void* codes, unsigned 
   for (int q = 0; q < 4; ++q) {
     unsigned w = words[q], m = w & 0x77777777u, w4 = w << 4;
     unsigned o0 = (dsv41c_prmt(w4, w, 0x5140u) & 0x80808080u) | dsv41c_prmt(lo, hi, m);
-    unsigned o1 = (dsv41c_prmt(w4, w, 0x7362u) & 0x80808080u) | dsv41c_prmt(lo, hi, m >> 16);
+    unsigned o1 = (dsv41c_prmt(w4, w, 0x7362u) & 0x80808080u) | dsv41c_prmt(lo, hi, kImadHi ? dsv41c_hi16(m) : m >> 16);
     reinterpret_cast<unsigned*>(frag)[q * 4 + h] = o0;
     reinterpret_cast<unsigned*>(frag)[q * 4 + 2 + h] = o1;
   }
+}
+
+__device__ __forceinline__ void dsv41c_decode_frag8(const void* codes, unsigned j, void* frag, int h) {
+  dsv41c_decode_frag8_t<false>(codes, j, frag, h);
 }
 
 // The largest exponent field among 32 bf16 at p (16-byte aligned).
@@ -761,11 +779,12 @@ __device__ __forceinline__ void dsv41c_st_bf16(unsigned long long p, float v) {
   asm volatile("st.global.b16 [%0], %1;" : : "l"(p), "h"(h) : "memory");
 }
 
-// Pass mt's two units of this thread (`_RUNNING_ADDRS`), rows r and r + 8 of the pass's 64 keys (r < 56),
-// one scale block (its byte into an int): code bytes at cp + mt * 4096 and + 512 (64 bytes a key), scale bytes at sp + mt * 256
-// and + 32 (4 a key), where cp and sp are the thread's first unit of the tile (immediate offsets, no
-// address arithmetic).  Rows from `left` on (past the visible keys) are not read: zero codes and scale
-// byte z; where the whole pass is in range (a uniform test) no thread tests its rows.
+// Pass mt's two units of this thread (`_RUNNING_ADDRS`), rows r and r + 8 of the pass's 64 keys
+// (r < 56), one scale block (its byte into an int): code bytes at cp + mt * 4096 and + 512 (64
+// bytes a key), scale bytes at sp + mt * 256 and + 32 (4 a key), where cp and sp are the thread's
+// first unit of the tile (immediate offsets, no address arithmetic).  Rows from `left` on (past
+// the visible keys) are not read: zero codes and scale byte z; where the whole pass is in range
+// (a uniform test) no thread tests its rows.
 __device__ __forceinline__ void dsv41c_load_pass(unsigned long long cp, unsigned long long sp, int mt, int left, int r,
                                                  unsigned z, void* cl, void* sl) {
   const uint4* c = reinterpret_cast<const uint4*>(cp) + mt * 256;
@@ -919,6 +938,7 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
     passes = _BN // gm
     fp8 = fp8_scoring(H, d, cand)
     running = bool(_RUNNING_ADDRS) and regs and not cand
+    frag8 = "dsv41c_decode_frag8_t<true>" if _DECODE_IMAD_HI else "dsv41c_decode_frag8"  # the E4M3 decode
     neg_inf = T.float32(-T.infinity("float32"))
 
     def row_key(LS, bx, tpc, it, r, nc):
@@ -1101,7 +1121,8 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                 kp[1] = T.call_extern("uint64", "dsv41c_addr", T.address_of(SCALES[b, bx * tpc * _BN + r0, j0]))
                 kp[2] = T.call_extern("uint64", "dsv41c_addr", T.address_of(SC[b, s, bx * tpc * _BN + tx]))
                 if bmax:
-                    kp[3] = T.call_extern("uint64", "dsv41c_addr", T.address_of(BM[b, s, bx * tpc * tile_blocks + tx // BLOCK]))
+                    kp[3] = T.call_extern("uint64", "dsv41c_addr",
+                                          T.address_of(BM[b, s, bx * tpc * tile_blocks + tx // BLOCK]))
             for mt in T.unroll(passes):
                 load(CODES, SCALES, LS, cl, sl, b, bx, tpc, 0, nc, lim, tx, mt, kp)
             if running:  # from here on kp is the next tile's (the loads run a tile ahead)
@@ -1132,7 +1153,7 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                                 u = 2 * mt + h2
                                 r, _ = unit_key(tx, u)
                                 if fast != 0:  # (the bf16 path decodes a k half at a time, at its GEMMs)
-                                    T.call_extern("handle", "dsv41c_decode_frag8", T.address_of(cl[u, 0]),
+                                    T.call_extern("handle", frag8, T.address_of(cl[u, 0]),
                                                   T.Cast("uint32", T.Cast("int32", sl[u]) - mnl[u]), T.address_of(As8[0, 0]), h2)
                                 if tx % 4 == 0:
                                     KS[r] = T.Select(fast != 0, _pow2(mnl[u] - 122),
