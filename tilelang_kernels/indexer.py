@@ -562,7 +562,7 @@ _FP8_KEYS = 1
 _RUNNING_ADDRS = 0
 # CUDA scoring, E4M3 path: the decode's high-nibble selectors (m >> 16, one a code word) by IMAD.HI on
 # the FMA pipe instead of a shift on the integer ALU pipe (`dsv41c_decode_frag8_t`): 16 of the about
-# 313 ALU-pipe instructions a tile and warp move to the FMA pipe (22% busy in the H200 profile).
+# 274 integer ALU instructions a tile and warp move to the FMA pipe (22% busy in the H200 profile).
 # Not yet run on a GPU: off.
 _DECODE_IMAD_HI = 0
 # tests only: the E4M3 build's bf16 path writes NaN products, so that a test sees which keys took
