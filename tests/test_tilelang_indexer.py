@@ -540,17 +540,15 @@ def _sm90_scores_source(cand=False):
 @pytest.mark.parametrize("sets", ({"_BN": 256, "_THREADS": 256, "_CTAS_PER_SM": 2},
                                   {"_BN": 256, "_THREADS": 256, "_CTAS_PER_SM": 3},
                                   {"_KEYS_IN_REGS": 0}, {"_HEAD_SUM_MMA": 0}, {"_UNGUARDED": 0},
-                                  {"_FP8_KEYS": 0}, {"_RUNNING_ADDRS": 1}, {"_RUNNING_ADDRS": 1, "_FP8_KEYS": 0},
-                                  {"_RUNNING_ADDRS": 1, "_DECODE_IMAD_HI": 1}),
-                         ids=["2x256", "3x256", "shared_key_tile", "head_sum_by_adds", "guarded", "bf16_keys",
-                              "running_addrs", "running_addrs_bf16_keys", "running_addrs_imad_hi"])
+                                  {"_FP8_KEYS": 0}),
+                         ids=["2x256", "3x256", "shared_key_tile", "head_sum_by_adds", "guarded", "bf16_keys"])
 def test_cuda_scores_variants(sets, monkeypatch):
     """The scoring's timed build choices other than the defaults (5 CTAs of 128 keys on one
     warpgroup, keys in registers, the head sum on the tensor cores, no TileLang guards, E4M3 keys
     where exact) against the ref: 256 keys on two warpgroups at 2 or 3 CTAs per SM, the shared key
-    tile, the head sum by adds, TileLang's guards, bf16 keys throughout, the walk's global accesses
-    through running addresses (with E4M3 and with bf16 keys, and with the E4M3 decode's IMAD.HI);
-    decode with and without candidates, and a causal prefill."""
+    tile (which indexes each unit, not through running addresses), the head sum by adds, TileLang's
+    guards, bf16 keys throughout (through running addresses); decode with and without candidates,
+    and a causal prefill."""
     for name, value in sets.items():
         monkeypatch.setattr(K, name, value)
     K.build.cache_clear()  # builds are cached per op key, which does not name these switches
@@ -564,9 +562,8 @@ def test_cuda_scores_variants(sets, monkeypatch):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("h,sets", ((16, {}), (32, {}), (64, {}), (32, {"_RUNNING_ADDRS": 1})),
-                         ids=["16", "32", "64", "32_running_addrs"])
-def test_cuda_scores_fp8_keys_fallbacks(h, sets, monkeypatch):
+@pytest.mark.parametrize("h", (16, 32, 64))
+def test_cuda_scores_fp8_keys_fallbacks(h, monkeypatch):
     """The E4M3 keys' GEMM (`_FP8_KEYS`) where it is exact and the bf16 path where it is not, in one
     call: batch rows with MXFP4 queries and rows with plain bf16 ones (not E4M3 after any power of
     two); keys whose scale blocks span more than 11 binades; a head with w = 0, one with a tiny w
@@ -575,8 +572,6 @@ def test_cuda_scores_fp8_keys_fallbacks(h, sets, monkeypatch):
     tiles on the E4M3 path and then switch to the bf16 path midway.  (With candidate blocks the
     bf16 build runs.)"""
     monkeypatch.setattr(K, "_FP8_KEYS", 1)
-    for name, value in sets.items():
-        monkeypatch.setattr(K, name, value)
     K.build.cache_clear()
     try:
         seed = fresh_seed()
@@ -661,11 +656,9 @@ def test_cuda_scores_fp8_keys_lower_for_sm90(monkeypatch):
 
 
 def test_cuda_scores_running_addrs_lower_for_sm90(monkeypatch):
-    """Without a GPU: `_RUNNING_ADDRS` takes each pass's key bytes from the walk's running addresses
-    and stores the scores and block maxima through two more (set once from the CTA's range, stepped
-    a tile each trip) in the dense builds, E4M3 and bf16, and leaves the candidate-gathering build's
-    own indexing alone."""
-    monkeypatch.setattr(K, "_RUNNING_ADDRS", 1)
+    """Without a GPU: the dense builds, E4M3 and bf16, take each pass's key bytes from the walk's
+    running addresses and store the scores and block maxima through two more (set once from the
+    CTA's range, stepped a tile each trip); the candidate-gathering build keeps its own indexing."""
     for fp8 in (1, 0):
         monkeypatch.setattr(K, "_FP8_KEYS", fp8)
         body = _sm90_scores_source().split("main_kernel")[-1]
@@ -676,13 +669,6 @@ def test_cuda_scores_running_addrs_lower_for_sm90(monkeypatch):
             assert f"{buf}[" not in body.replace(f"dsv41c_addr((&({buf}[", ""), buf
     body = _sm90_scores_source(cand=True).split("main_kernel")[-1]
     assert "dsv41c_load_pass(" not in body and "dsv41c_addr(" not in body and "dsv41c_st_bf16(" not in body
-    # `_DECODE_IMAD_HI`: the E4M3 decode's instance with the high selectors by mul.hi
-    monkeypatch.setattr(K, "_FP8_KEYS", 1)
-    body = _sm90_scores_source().split("main_kernel")[-1]
-    assert "dsv41c_decode_frag8((" in body and "dsv41c_decode_frag8_t<true>((" not in body
-    monkeypatch.setattr(K, "_DECODE_IMAD_HI", 1)
-    body = _sm90_scores_source().split("main_kernel")[-1]
-    assert body.count("dsv41c_decode_frag8_t<true>((") == 1 and "dsv41c_decode_frag8((" not in body
 
 
 def test_cuda_scores_lower_for_sm90(monkeypatch):

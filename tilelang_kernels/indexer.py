@@ -548,23 +548,6 @@ _UNGUARDED = 1
 # registers, no spills at 5 CTAs per SM; with the whole fragment it spills there).  At batch 32,
 # 256K on an H200: 308.7 -> 270.7 us; Reindex on it went 62.2 -> 80.7 us (BENCHMARKS.md).
 _FP8_KEYS = 1
-# CUDA scoring, dense builds with the keys in registers: the walk's global accesses through running
-# addresses, set once from the CTA's range and stepped a tile each trip.  Each thread's key bytes
-# come from two (codes, scales: its first unit of the next tile), every unit at an immediate offset
-# (`dsv41c_load_pass`), with no per-thread bounds test where a pass's 64 keys are all visible (a
-# uniform test); its score and block max go to two more (`dsv41c_st_bf16`).  TileLang's per-unit
-# index arithmetic is 64-bit and, at the register limit, recomputed each tile: about 106
-# instructions a tile and warp for the loads on the E4M3 path (the H200 profile), mostly on the
-# integer ALU pipe that bounds the kernel; this way about 41, mostly uniform; the score and block
-# max stores' epilogue about 62 -> 35.  The scale bytes are held as int32 (the tile's check does
-# not mask them).  E4M3 build: 95 registers either way, no spills; the sm_90a SASS's loop 1335 ->
-# 1219 instructions, its integer class 1057 -> 973 (`benchmarks/sass.py`).  Not yet run on a GPU: off.
-_RUNNING_ADDRS = 0
-# CUDA scoring, E4M3 path: the decode's high-nibble selectors (m >> 16, one a code word) by IMAD.HI on
-# the FMA pipe instead of a shift on the integer ALU pipe (`dsv41c_decode_frag8_t`): 16 of the about
-# 274 integer ALU instructions a tile and warp move to the FMA pipe (22% busy in the H200 profile).
-# Not yet run on a GPU: off.
-_DECODE_IMAD_HI = 0
 # tests only: the E4M3 build's bf16 path writes NaN products, so that a test sees which keys took
 # the E4M3 path (those scores stay right) and which the bf16 one
 _FP8_POISON_BF16_PATH = 0
@@ -696,16 +679,7 @@ __device__ __forceinline__ unsigned dsv41c_prmt(unsigned a, unsigned b, unsigned
 // sign of nibble i (bit 4i + 3) goes to bit 7 of byte i: one permute of w << 4 and w takes bytes
 // whose bit 7 is that sign.  Code word q (nibbles 0..3 and 4..7: dims 8q + 0..3 and 8q + 4..7 of
 // the scale block) fills k step q, column halves 0 and 1 (`_qperm8`).
-// (kImadHi, `_DECODE_IMAD_HI`: the high nibbles' selectors m >> 16 as mul.hi by 2^16, an IMAD.HI on
-// the FMA pipe, instead of a shift on the integer ALU pipe that bounds the scoring)
-__device__ __forceinline__ unsigned dsv41c_hi16(unsigned m) {
-  unsigned h;
-  asm("mul.hi.u32 %0, %1, 65536;" : "=r"(h) : "r"(m));
-  return h;
-}
-
-template <bool kImadHi>
-__device__ __forceinline__ void dsv41c_decode_frag8_t(const void* codes, unsigned j, void* frag, int h) {
+__device__ __forceinline__ void dsv41c_decode_frag8(const void* codes, unsigned j, void* frag, int h) {
   uint4 c = *reinterpret_cast<const uint4*>(codes);
   unsigned words[4] = {c.x, c.y, c.z, c.w};
   unsigned lo = 0x14100800u + j * 0x08080800u, hi = 0x24201C18u + j * 0x08080808u;
@@ -713,14 +687,10 @@ __device__ __forceinline__ void dsv41c_decode_frag8_t(const void* codes, unsigne
   for (int q = 0; q < 4; ++q) {
     unsigned w = words[q], m = w & 0x77777777u, w4 = w << 4;
     unsigned o0 = (dsv41c_prmt(w4, w, 0x5140u) & 0x80808080u) | dsv41c_prmt(lo, hi, m);
-    unsigned o1 = (dsv41c_prmt(w4, w, 0x7362u) & 0x80808080u) | dsv41c_prmt(lo, hi, kImadHi ? dsv41c_hi16(m) : m >> 16);
+    unsigned o1 = (dsv41c_prmt(w4, w, 0x7362u) & 0x80808080u) | dsv41c_prmt(lo, hi, m >> 16);
     reinterpret_cast<unsigned*>(frag)[q * 4 + h] = o0;
     reinterpret_cast<unsigned*>(frag)[q * 4 + 2 + h] = o1;
   }
-}
-
-__device__ __forceinline__ void dsv41c_decode_frag8(const void* codes, unsigned j, void* frag, int h) {
-  dsv41c_decode_frag8_t<false>(codes, j, frag, h);
 }
 
 // The largest exponent field among 32 bf16 at p (16-byte aligned).
@@ -779,8 +749,15 @@ __device__ __forceinline__ void dsv41c_st_bf16(unsigned long long p, float v) {
   asm volatile("st.global.b16 [%0], %1;" : : "l"(p), "h"(h) : "memory");
 }
 
-// Pass mt's two units of this thread (`_RUNNING_ADDRS`), rows r and r + 8 of the pass's 64 keys
-// (r < 56), one scale block (its byte into an int): code bytes at cp + mt * 4096 and + 512 (64
+// The walk of the dense builds with the keys in registers keeps four running addresses a thread
+// (its first unit's codes and scale byte in the next tile, its score and block max in this one),
+// set once from the CTA's range and stepped a tile each trip.  TileLang's own per-unit index
+// arithmetic is 64-bit and, at the register limit, recomputed each tile, mostly on the integer ALU
+// pipe that bounds the scoring: about 106 instructions a tile and warp for the loads and 62 for
+// the score stores' epilogue, against about 41 and 35 this way (SASS loop 1335 -> 1219).  On an
+// H200 at batch 32, 256K: 272.6 -> 242.5 us in a CUDA graph (BENCHMARKS.md).
+//
+// Pass mt's two units of this thread, rows r and r + 8 of the pass's 64 keys (r < 56), one scale block (its byte into an int): code bytes at cp + mt * 4096 and + 512 (64
 // bytes a key), scale bytes at sp + mt * 256 and + 32 (4 a key), where cp and sp are the thread's
 // first unit of the tile (immediate offsets, no address arithmetic).  Rows from `left` on (past
 // the visible keys) are not read: zero codes and scale byte z; where the whole pass is in range
@@ -937,8 +914,10 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
     gm = 64 if regs else _BN
     passes = _BN // gm
     fp8 = fp8_scoring(H, d, cand)
-    running = bool(_RUNNING_ADDRS) and regs and not cand
-    frag8 = "dsv41c_decode_frag8_t<true>" if _DECODE_IMAD_HI else "dsv41c_decode_frag8"  # the E4M3 decode
+    # dense builds with the keys in registers walk through running addresses (see the comment at
+    # `dsv41c_load_pass`); the candidate-gathering and shared-memory builds index each unit, and so
+    # does the guarded build (TileLang cannot take the address of a guarded element)
+    running = regs and not cand and bool(_UNGUARDED)
     neg_inf = T.float32(-T.infinity("float32"))
 
     def row_key(LS, bx, tpc, it, r, nc):
@@ -960,13 +939,13 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
         return (u * warps + tx // 32) * rows_per_warp + lane % rows_per_warp, lane // rows_per_warp
 
     def scale_ok(v):
-        """A scale byte v (int32 with `_RUNNING_ADDRS`, else uint8) at most 252."""
+        """A scale byte v (int32 on the running addresses' walk, else uint8) at most 252."""
         return T.Cast("int32", v) <= 252 if running else v <= T.uint8(252)
 
     @T.macro
     def load(CODES, SCALES, LS, cl, sl, b, bx, tpc, it, nc, lim, tx, mt, kp):
         """The code bytes (16-byte loads) and scale bytes of the CTA's tile it: the units of pass mt."""
-        if running:  # the pass's two units from the walk's running addresses kp (`_RUNNING_ADDRS`)
+        if running:  # the pass's two units from the walk's running addresses kp
             r, _ = unit_key(tx, 2 * mt)
             T.call_extern("handle", "dsv41c_load_pass", kp[0], kp[1], mt, lim - (bx * tpc + it) * _BN - mt * 64,
                           r - mt * 64, 127 if fp8 else 0, T.address_of(cl[2 * mt, 0]), T.address_of(sl[2 * mt]))
@@ -1032,7 +1011,7 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                 okv = T.alloc_var("int32")
                 mx = T.alloc_var("int32")
             cl = T.alloc_local((units, 16), "uint8")
-            # `_RUNNING_ADDRS`: the next tile's key bytes (codes, scales), this tile's score and block max
+            # the running addresses: the next tile's key bytes (codes, scales), this tile's score and block max
             kp = T.alloc_local((4,), "uint64")
             sl = T.alloc_local((units,), "int32" if running else "uint8")  # (int32: no masks of its bytes)
             if not regs:
@@ -1153,7 +1132,7 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                                 u = 2 * mt + h2
                                 r, _ = unit_key(tx, u)
                                 if fast != 0:  # (the bf16 path decodes a k half at a time, at its GEMMs)
-                                    T.call_extern("handle", frag8, T.address_of(cl[u, 0]),
+                                    T.call_extern("handle", "dsv41c_decode_frag8", T.address_of(cl[u, 0]),
                                                   T.Cast("uint32", T.Cast("int32", sl[u]) - mnl[u]), T.address_of(As8[0, 0]), h2)
                                 if tx % 4 == 0:
                                     KS[r] = T.Select(fast != 0, _pow2(mnl[u] - 122),
