@@ -669,6 +669,8 @@ def test_cuda_scores_running_addrs_lower_for_sm90(monkeypatch):
             assert f"{buf}[" not in body.replace(f"dsv41c_addr((&({buf}[", ""), buf
     body = _sm90_scores_source(cand=True).split("main_kernel")[-1]
     assert "dsv41c_load_pass(" not in body and "dsv41c_addr(" not in body and "dsv41c_st_bf16(" not in body
+    monkeypatch.setattr(K, "_UNGUARDED", 0)  # nor does the guarded build (no address of a guarded element)
+    assert "dsv41c_load_pass(" not in _sm90_scores_source().split("main_kernel")[-1]
 
 
 def test_cuda_scores_lower_for_sm90(monkeypatch):

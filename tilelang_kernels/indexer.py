@@ -757,11 +757,12 @@ __device__ __forceinline__ void dsv41c_st_bf16(unsigned long long p, float v) {
 // the score stores' epilogue, against about 41 and 35 this way (SASS loop 1335 -> 1219).  On an
 // H200 at batch 32, 256K: 272.6 -> 242.5 us in a CUDA graph (BENCHMARKS.md).
 //
-// Pass mt's two units of this thread, rows r and r + 8 of the pass's 64 keys (r < 56), one scale block (its byte into an int): code bytes at cp + mt * 4096 and + 512 (64
-// bytes a key), scale bytes at sp + mt * 256 and + 32 (4 a key), where cp and sp are the thread's
-// first unit of the tile (immediate offsets, no address arithmetic).  Rows from `left` on (past
-// the visible keys) are not read: zero codes and scale byte z; where the whole pass is in range
-// (a uniform test) no thread tests its rows.
+// Pass mt's two units of this thread, rows r and r + 8 of the pass's 64 keys (r < 56), one scale
+// block (its byte into an int): code bytes at cp + mt * 4096 and + 512 (64 bytes a key), scale
+// bytes at sp + mt * 256 and + 32 (4 a key), where cp and sp are the thread's first unit of the
+// tile (immediate offsets, no address arithmetic).  Rows from `left` on (past the visible keys)
+// are not read: zero codes and scale byte z; where the whole pass is in range (a uniform test) no
+// thread tests its rows.
 __device__ __forceinline__ void dsv41c_load_pass(unsigned long long cp, unsigned long long sp, int mt, int left, int r,
                                                  unsigned z, void* cl, void* sl) {
   const uint4* c = reinterpret_cast<const uint4*>(cp) + mt * 256;
