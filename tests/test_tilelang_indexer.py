@@ -540,16 +540,15 @@ def _sm90_scores_source(cand=False):
 @pytest.mark.parametrize("sets", ({"_BN": 256, "_THREADS": 256, "_CTAS_PER_SM": 2},
                                   {"_BN": 256, "_THREADS": 256, "_CTAS_PER_SM": 3},
                                   {"_KEYS_IN_REGS": 0}, {"_HEAD_SUM_MMA": 0}, {"_UNGUARDED": 0},
-                                  {"_FP8_KEYS": 0}, {"_EARLY_SCALES": 1}),
-                         ids=["2x256", "3x256", "shared_key_tile", "head_sum_by_adds", "guarded", "bf16_keys",
-                              "early_scales"])
+                                  {"_FP8_KEYS": 0}),
+                         ids=["2x256", "3x256", "shared_key_tile", "head_sum_by_adds", "guarded", "bf16_keys"])
 def test_cuda_scores_variants(sets, monkeypatch):
     """The scoring's timed build choices other than the defaults (5 CTAs of 128 keys on one
     warpgroup, keys in registers, the head sum on the tensor cores, no TileLang guards, E4M3 keys
     where exact) against the ref: 256 keys on two warpgroups at 2 or 3 CTAs per SM, the shared key
     tile (which indexes each unit, not through running addresses), the head sum by adds, TileLang's
-    guards, bf16 keys throughout (through running addresses), the next tile's scale bytes loaded
-    at the check (`_EARLY_SCALES`); decode with and without candidates, and a causal prefill."""
+    guards, bf16 keys throughout (through running addresses); decode with and without candidates,
+    and a causal prefill."""
     for name, value in sets.items():
         monkeypatch.setattr(K, name, value)
     K.build.cache_clear()  # builds are cached per op key, which does not name these switches
@@ -563,9 +562,8 @@ def test_cuda_scores_variants(sets, monkeypatch):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("h,sets", ((16, {}), (32, {}), (64, {}), (32, {"_EARLY_SCALES": 1})),
-                         ids=["16", "32", "64", "32_early_scales"])
-def test_cuda_scores_fp8_keys_fallbacks(h, sets, monkeypatch):
+@pytest.mark.parametrize("h", (16, 32, 64))
+def test_cuda_scores_fp8_keys_fallbacks(h, monkeypatch):
     """The E4M3 keys' GEMM (`_FP8_KEYS`) where it is exact and the bf16 path where it is not, in one
     call: batch rows with MXFP4 queries and rows with plain bf16 ones (not E4M3 after any power of
     two); keys whose scale blocks span more than 11 binades; a head with w = 0, one with a tiny w
@@ -574,8 +572,6 @@ def test_cuda_scores_fp8_keys_fallbacks(h, sets, monkeypatch):
     tiles on the E4M3 path and then switch to the bf16 path midway.  (With candidate blocks the
     bf16 build runs.)"""
     monkeypatch.setattr(K, "_FP8_KEYS", 1)
-    for name, value in sets.items():
-        monkeypatch.setattr(K, name, value)
     K.build.cache_clear()
     try:
         seed = fresh_seed()
@@ -675,23 +671,6 @@ def test_cuda_scores_running_addrs_lower_for_sm90(monkeypatch):
     assert "dsv41c_load_pass(" not in body and "dsv41c_addr(" not in body and "dsv41c_st_bf16(" not in body
     monkeypatch.setattr(K, "_UNGUARDED", 0)  # nor does the guarded build (no address of a guarded element)
     assert "dsv41c_load_pass(" not in _sm90_scores_source().split("main_kernel")[-1]
-
-
-def test_cuda_scores_early_scales_lower_for_sm90(monkeypatch):
-    """Without a GPU: `_EARLY_SCALES` loads the next tile's scale bytes of both passes right after
-    the tile's check barrier, the codes after each pass's decode, and sets the keys' scales there
-    (the bf16 path keeps loading both per pass); without it the E4M3 build loads both per pass."""
-    monkeypatch.setattr(K, "_FP8_KEYS", 1)
-    body = _sm90_scores_source().split("main_kernel")[-1]
-    assert "dsv41c_load_pass_scales(" not in body and "dsv41c_load_pass_codes(" not in body
-    monkeypatch.setattr(K, "_EARLY_SCALES", 1)
-    body = _sm90_scores_source().split("main_kernel")[-1]
-    after = body.split("__syncthreads_or(")[1]
-    assert after.count("dsv41c_load_pass_scales(") == 1 and after.count("dsv41c_load_pass_codes(") == 1
-    assert after.index("dsv41c_load_pass_scales(") < after.index("dsv41c_decode_frag8(") < after.index("dsv41c_load_pass_codes(")
-    assert after.index("KS)[") < after.index("dsv41c_decode_frag8(")
-    # the prologue and the bf16 path: codes and scales together
-    assert body.count("dsv41c_load_pass(") == 2
 
 
 def test_cuda_scores_lower_for_sm90(monkeypatch):

@@ -548,13 +548,6 @@ _UNGUARDED = 1
 # registers, no spills at 5 CTAs per SM; with the whole fragment it spills there).  At batch 32,
 # 256K on an H200: 308.7 -> 270.7 us; Reindex on it went 62.2 -> 80.7 us (BENCHMARKS.md).
 _FP8_KEYS = 1
-# CUDA scoring, E4M3 path on the running addresses' walk: the next tile's scale bytes loaded right
-# after this tile's check (both passes at once), a whole tile ahead of the next check, and the
-# keys' scales (KS) and decode offsets set there; the codes still load after each pass's decode.
-# In the H200 profile of the default build, 5.5% of the stall samples are the check's first shuffle
-# waiting (long scoreboard) on a scale byte loaded only half a tile before (pass 1's loads share
-# the scoreboard).  Not yet run on a GPU: off.
-_EARLY_SCALES = 0
 # tests only: the E4M3 build's bf16 path writes NaN products, so that a test sees which keys took
 # the E4M3 path (those scores stay right) and which the bf16 one
 _FP8_POISON_BF16_PATH = 0
@@ -770,49 +763,24 @@ __device__ __forceinline__ void dsv41c_st_bf16(unsigned long long p, float v) {
 // tile (immediate offsets, no address arithmetic).  Rows from `left` on (past the visible keys)
 // are not read: zero codes and scale byte z; where the whole pass is in range (a uniform test) no
 // thread tests its rows.
-template <bool kCodes, bool kScales>
-__device__ __forceinline__ void dsv41c_load_pass_t(unsigned long long cp, unsigned long long sp, int mt, int left, int r,
-                                                   unsigned z, void* cl, void* sl) {
+__device__ __forceinline__ void dsv41c_load_pass(unsigned long long cp, unsigned long long sp, int mt, int left, int r,
+                                                 unsigned z, void* cl, void* sl) {
   const uint4* c = reinterpret_cast<const uint4*>(cp) + mt * 256;
   const unsigned char* s = reinterpret_cast<const unsigned char*>(sp) + mt * 256;
   uint4* o = reinterpret_cast<uint4*>(cl);
   int* so = reinterpret_cast<int*>(sl);
   if (left >= 64) {
-    if (kCodes) {
-      o[0] = __ldg(c);
-      o[1] = __ldg(c + 32);
-    }
-    if (kScales) {
-      so[0] = __ldg(s);
-      so[1] = __ldg(s + 32);
-    }
+    o[0] = __ldg(c);
+    o[1] = __ldg(c + 32);
+    so[0] = __ldg(s);
+    so[1] = __ldg(s + 32);
   } else {
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-    if (kCodes) {
-      o[0] = r < left ? __ldg(c) : zero;
-      o[1] = r + 8 < left ? __ldg(c + 32) : zero;
-    }
-    if (kScales) {
-      so[0] = r < left ? static_cast<int>(__ldg(s)) : static_cast<int>(z);
-      so[1] = r + 8 < left ? static_cast<int>(__ldg(s + 32)) : static_cast<int>(z);
-    }
+    o[0] = r < left ? __ldg(c) : zero;
+    o[1] = r + 8 < left ? __ldg(c + 32) : zero;
+    so[0] = r < left ? static_cast<int>(__ldg(s)) : static_cast<int>(z);
+    so[1] = r + 8 < left ? static_cast<int>(__ldg(s + 32)) : static_cast<int>(z);
   }
-}
-
-__device__ __forceinline__ void dsv41c_load_pass(unsigned long long cp, unsigned long long sp, int mt, int left, int r,
-                                                 unsigned z, void* cl, void* sl) {
-  dsv41c_load_pass_t<true, true>(cp, sp, mt, left, r, z, cl, sl);
-}
-
-// Only the codes, or only the scale bytes (`_EARLY_SCALES`).
-__device__ __forceinline__ void dsv41c_load_pass_codes(unsigned long long cp, unsigned long long sp, int mt, int left,
-                                                       int r, unsigned z, void* cl, void* sl) {
-  dsv41c_load_pass_t<true, false>(cp, sp, mt, left, r, z, cl, sl);
-}
-
-__device__ __forceinline__ void dsv41c_load_pass_scales(unsigned long long cp, unsigned long long sp, int mt, int left,
-                                                        int r, unsigned z, void* cl, void* sl) {
-  dsv41c_load_pass_t<false, true>(cp, sp, mt, left, r, z, cl, sl);
 }
 
 // -inf into the scores p[0 .. min(left, 8)): one 16-byte store where all 8 are in the row and p is
@@ -951,7 +919,6 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
     # `dsv41c_load_pass`); the candidate-gathering and shared-memory builds index each unit, and so
     # does the guarded build (TileLang cannot take the address of a guarded element)
     running = regs and not cand and bool(_UNGUARDED)
-    early = bool(_EARLY_SCALES) and running and fp8
     neg_inf = T.float32(-T.infinity("float32"))
 
     def row_key(LS, bx, tpc, it, r, nc):
@@ -977,12 +944,11 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
         return T.Cast("int32", v) <= 252 if running else v <= T.uint8(252)
 
     @T.macro
-    def load(CODES, SCALES, LS, cl, sl, b, bx, tpc, it, nc, lim, tx, mt, kp, part="dsv41c_load_pass"):
-        """The code bytes (16-byte loads) and scale bytes of the CTA's tile it: the units of pass mt
-        (on the running addresses' walk `part` may name the loader of the codes or scales only)."""
+    def load(CODES, SCALES, LS, cl, sl, b, bx, tpc, it, nc, lim, tx, mt, kp):
+        """The code bytes (16-byte loads) and scale bytes of the CTA's tile it: the units of pass mt."""
         if running:  # the pass's two units from the walk's running addresses kp
             r, _ = unit_key(tx, 2 * mt)
-            T.call_extern("handle", part, kp[0], kp[1], mt, lim - (bx * tpc + it) * _BN - mt * 64,
+            T.call_extern("handle", "dsv41c_load_pass", kp[0], kp[1], mt, lim - (bx * tpc + it) * _BN - mt * 64,
                           r - mt * 64, 127 if fp8 else 0, T.address_of(cl[2 * mt, 0]), T.address_of(sl[2 * mt]))
         else:
             for uu in T.unroll(units // passes):
@@ -1160,19 +1126,6 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                 live = T.call_extern("int32", "__syncthreads_or", T.Cast("int32", T.And(listed, t < lim)))
                 if fp8:
                     fast = T.Cast("int32", BAD[0] == 0)  # read before the epilogue's barrier: uniform
-                if early:  # (`_EARLY_SCALES`) the keys' scales, then the next tile's scale bytes at once
-                    if live != 0:
-                        for u in T.unroll(units):
-                            r, _ = unit_key(tx, u)
-                            if tx % 4 == 0:
-                                KS[r] = T.Select(fast != 0, _pow2(mnl[u] - 122), T.float32(1))
-                    if fast != 0:
-                        for u in T.unroll(units):
-                            mnl[u] = T.Cast("int32", sl[u]) - mnl[u]  # the decode's scale offset j
-                        if it + 1 < walk:
-                            for mq in T.unroll(passes):
-                                load(CODES, SCALES, LS, cl, sl, b, bx, tpc, it + 1, nc, lim, tx, mq, kp,
-                                     "dsv41c_load_pass_scales")
                 for mt in T.unroll(passes):
                     if live != 0:
                         if fp8:
@@ -1180,10 +1133,9 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                                 u = 2 * mt + h2
                                 r, _ = unit_key(tx, u)
                                 if fast != 0:  # (the bf16 path decodes a k half at a time, at its GEMMs)
-                                    jv = mnl[u] if early else T.Cast("int32", sl[u]) - mnl[u]
                                     T.call_extern("handle", "dsv41c_decode_frag8", T.address_of(cl[u, 0]),
-                                                  T.Cast("uint32", jv), T.address_of(As8[0, 0]), h2)
-                                if T.And(tx % 4 == 0, not early):
+                                                  T.Cast("uint32", T.Cast("int32", sl[u]) - mnl[u]), T.address_of(As8[0, 0]), h2)
+                                if tx % 4 == 0:
                                     KS[r] = T.Select(fast != 0, _pow2(mnl[u] - 122),
                                                      T.float32(1))
                         elif regs:
@@ -1201,8 +1153,7 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                     if it + 1 < walk:  # the next tile's bytes travel during this tile's GEMM
                         if fp8:  # (the bf16 path's decode reads this pass's bytes after its first GEMM)
                             if fast != 0:
-                                load(CODES, SCALES, LS, cl, sl, b, bx, tpc, it + 1, nc, lim, tx, mt, kp,
-                                     "dsv41c_load_pass_codes" if early else "dsv41c_load_pass")
+                                load(CODES, SCALES, LS, cl, sl, b, bx, tpc, it + 1, nc, lim, tx, mt, kp)
                         else:
                             load(CODES, SCALES, LS, cl, sl, b, bx, tpc, it + 1, nc, lim, tx, mt, kp)
                     if not regs:
