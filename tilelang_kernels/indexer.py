@@ -1013,7 +1013,7 @@ def _cuda_scores_prim_func(H, d, visible, cand, bmax):
                 mx = T.alloc_var("int32")
             cl = T.alloc_local((units, 16), "uint8")
             # the running addresses: the next tile's key bytes (codes, scales), this tile's score and block max
-            kp = T.alloc_local((4,), "uint64")
+            kp = T.alloc_local((4,), "uint64") if running else None
             sl = T.alloc_local((units,), "int32" if running else "uint8")  # (int32: no masks of its bytes)
             if not regs:
                 al = T.alloc_local((32,), "bfloat16")  # one decoded unit, on its way to As
