@@ -7,7 +7,8 @@ Measures prefill tokens/s at one length (batch 1) and decode tokens/s at each ba
 pass over every workload compiles every graph the timed passes use (its time is reported
 separately); the timed passes follow. With `--parallel` each variant runs in its own process: the
 compiles, which are host-bound, overlap, and the timed passes run one variant at a time once every
-compile has finished, so no compile competes with a measurement. The
+compile has finished, so no compile competes with a measurement. A first pass that runs out of
+device memory beside its siblings' models is run again, alone, at the start of its timing phase. The
 ceilings come from the same run: the device copy bandwidth against the weight bytes a decode step
 reads, and the matmul rate against the prefill's projection FLOPs (2 x active parameters x tokens;
 attention excluded, so it is a lower bound on the work).
@@ -166,8 +167,9 @@ def measure(name: str, model: Transformer, a: argparse.Namespace, gen: torch.Gen
                               lambda: model.cache.fill_synthetic(a.seed, vocab),
                               functools.partial(decode, start=a.long_context), batch * a.decode_steps))
 
-    ready = []
-    for key, seed, fn, _ in workloads:          # phase 1: compile
+    ready, retry = [], []
+
+    def first_pass(key, seed, fn, alone: bool) -> None:
         try:
             seed()
             sync(a.device)
@@ -179,9 +181,24 @@ def measure(name: str, model: Transformer, a: argparse.Namespace, gen: torch.Gen
             print(f"  {name}: {key} compiled and ran once ({first:.0f} s)", flush=True)
             ready.append(key)
             save()
+        except torch.OutOfMemoryError as err:
+            if alone:
+                failed(key, err)
+                return
+            # --parallel's siblings hold the device's memory while they compile: once more, alone
+            print(f"  {name}: {key} ran out of device memory beside its siblings; retried alone", flush=True)
+            retry.append(key)
         except Exception as err:                            # noqa: BLE001 - a compiler failure is a result
             failed(key, err)
+        finally:
+            release_cached_memory(a.device)
+
+    for key, seed, fn, _ in workloads:          # phase 1: compile
+        first_pass(key, seed, fn, alone=a.sync_dir is None)
     with timing():                              # phase 2: measure
+        for key, seed, fn, _ in workloads:
+            if key in retry:
+                first_pass(key, seed, fn, alone=True)
         out["hardware"] = hardware(a)
         save()
         for key, seed, fn, tokens in workloads:
@@ -204,7 +221,14 @@ def measure(name: str, model: Transformer, a: argparse.Namespace, gen: torch.Gen
                     out[f"{key}_profile"] = profile_steps(fn, a.device, a.decode_steps)
                     print(f"  {name}: {key} profile {out[f'{key}_profile']}", flush=True)
                     save()
+        release_cached_memory(a.device)          # before the lock goes to a sibling
     torch._dynamo.reset()
+
+
+def release_cached_memory(device: str) -> None:
+    """Give the allocator's cached free blocks back to the device, for `--parallel`'s siblings."""
+    if device == "cuda":
+        torch.cuda.empty_cache()
 
 
 def profile_steps(fn, device: str, steps: int, top: int = 6) -> dict:
