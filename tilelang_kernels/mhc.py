@@ -122,6 +122,11 @@ _CR_GROUPS_PRE = 2
 _CR_PREFETCH_PRE = 0
 _CR_GROUPS_POST_PRE = 1
 _CR_PREFETCH_POST_PRE = 1
+# CUDA column-resident mixing kernel: 1 = each warp owns whole 16-token blocks across the CTA's
+# columns (`_cuda_warpblock_prim_func`), with _CR_WB_WARPS warps per CTA; 0 = the CTA's warps share
+# each block, a slice of columns each (`_cuda_colres_prim_func`)
+_CR_WARP_BLOCKS = 0
+_CR_WB_WARPS = 16
 _SMS = 132  # H200 SMs
 
 
@@ -358,7 +363,7 @@ def mhc_prim_funcs(kind, dtype, m, D, norm_eps, hc_eps, iters, target):
     if kind == "post_collapse":
         return [_cuda_stream_prim_func(dtype, m, D)]
     if column_resident(kind, dtype, D):
-        main = _cuda_colres_prim_func(kind, m, D)
+        main = (_cuda_warpblock_prim_func if _CR_WARP_BLOCKS else _cuda_colres_prim_func)(kind, m, D)
     else:
         main = _cuda_mixes_prim_func(kind, dtype, m, D)
     return [main,
@@ -1109,6 +1114,206 @@ def _cuda_colres_prim_func(kind, m, D):
             args = (nb, vp, PV, gi, tg, q, lane, g, c, c0, bg)
             for i in T.serial(nb):
                 block(B, V, R, i, xl, xn, *args)
+
+    return names, _prim_func(names, S, body).with_attr(NO_SYNC_ATTR, 1)  # it places all its barriers
+
+
+def _cuda_warpblock_prim_func(kind, m, D):
+    """The column-resident mixing kernel with warp-owned token blocks (`_CR_WARP_BLOCKS`).
+
+    As `_cuda_colres_prim_func`, each CTA keeps fn's slice for W = `_CR_W` columns of every stream
+    in shared memory as three bf16 pieces and serves every token it sees with it; the streams go
+    global -> registers -> global as words of two bf16, and the mixes GEMM is register-operand
+    mma.sync on those words.  The difference is who owns what: here each of the CTA's
+    `_CR_WB_WARPS` warps owns whole 16-token blocks and walks all W columns of each block in
+    chunks of 16 (lane (g, c) = (lane // 4, lane % 4): rows g and g + 8, columns 4c..4c+3 of the
+    chunk, one 8-byte vector per row and stream).  Its mma accumulator then already holds the
+    CTA's partial mixes of the block, so there is no reduction across warps, no shared scratch for
+    it and no CTA barrier after the setup: each warp runs on its own, with only its coefficients
+    staged in shared memory behind a warp barrier.  Chunk f + 1 of the warp's (block, chunk)
+    sequence is loaded while chunk f is computed.  Each chunk's products accumulate from zero on
+    the tensor cores (the small cross terms first) and are added to the block's total with IEEE
+    adds, as the other builds add their pieces of the sum.  In the chunk's k step of stream j,
+    column 4c + e serves k slot 2c + e (e = 0, 1) and 2c + 6 + e (e = 2, 3), and fn's pieces are laid
+    out with the same assignment, so a lane's B fragment is four consecutive columns of fn."""
+    expand = kind == "post_pre"
+    names = _PARAMS[kind, "main"]
+    W, CW, NWB = _CR_W, 16, _CR_WB_WARPS
+    NCH = W // CW  # chunks per block
+    G = D // W
+    S, N = _buffers(names, "bfloat16", m, D, G)
+    mix = 2 * m + m * m
+    NT = -(-mix // 8)  # n8 tiles of the mixes
+    ncf = (m + m * m if expand else 0) + m  # per-token coefficients: post, comb, pre_delayed
+    rows = list(range(m + 1 if expand else m))
+    src = "RES" if expand else "H"
+    pmax = max(1, _CR_WAVES * _SMS // G)
+    nfv = NT * 8 * m * W // 4  # float4 vectors of fn's slice
+    nth = 32 * NWB
+    # (array, coefficients per token, first slot in Cos): post, comb (row-major), pre_delayed
+    coef_arrays = ([("PIN", m, 0), ("CIN", m * m, m)] if expand else []) + [("PD", m, ncf - m)]
+    assert W % CW == 0 and D % W == 0
+    mul, add = _arith(True)
+
+    @T.macro
+    def load_streams(V, xs, blk, wo, g):
+        """The lane's 8-byte pieces of its rows of block blk at word offset wo (zeros past N)."""
+        for r in T.unroll(2):
+            t = blk * 16 + g + 8 * r
+            if t < N:
+                for j in rows:
+                    for w in T.vectorized(2):
+                        xs[r, j, w] = V["Y"][t, wo + w] if j == m else V[src][t, j, wo + w]
+            else:
+                for j in rows:
+                    for w in T.unroll(2):
+                        xs[r, j, w] = T.uint32(0)
+
+    @T.macro
+    def columns(R, xl, wid, g, r, w):
+        """Columns 2w, 2w + 1 of the lane's 4 in row r: h_new (post_pre) into ol in the mma's A
+        layout, x into xo, the squares of h_new into sq[r]."""
+        Cos, ol, xo, hf, xf, hv, sq = R["Cos"], R["ol"], R["xo"], R["hf"], R["xf"], R["hv"], R["sq"]
+        if expand:
+            for u in [0, 1]:
+                for j, hj in enumerate(_expand_exprs(
+                        m, lambda coef: Cos[wid, g + 8 * r, coef],  # noqa: B023
+                        lambda src_row: _bf16_half(xl[r, src_row, w], u),  # noqa: B023
+                        mul, add)):
+                    hf[j, u] = hj
+            for j in T.unroll(m):
+                ol[j, w, r] = T.call_extern("uint32", "dsv41c_pack_bf16x2", hf[j, 0], hf[j, 1])
+        else:
+            for j in T.unroll(m):
+                ol[j, w, r] = xl[r, j, w]
+        for u in [0, 1]:
+            for j in T.unroll(m):
+                hv[j] = _bf16_half(ol[j, w, r], u)
+            xf[u] = _collapse_expr(m, lambda pd_j: Cos[wid, g + 8 * r, ncf - m + pd_j], hv, mul, add)  # noqa: B023
+            for j in T.unroll(m):
+                sq[r] = sq[r] + hv[j] * hv[j]
+        xo[r, w] = T.call_extern("uint32", "dsv41c_pack_bf16x2", xf[0], xf[1])
+
+    @T.macro
+    def body(B):
+        with T.Kernel(G, T.min(T.ceildiv(T.ceildiv(N, 16), NWB), pmax), threads=nth, prelude=_PACK_BF16X2) as (bg, bp):
+            tx = T.get_thread_binding()
+            V = {n: T.view(B[n], (N, *B[n].shape[1:-1], D // 2), "uint32") for n in names if n in _STREAMS}
+            Fs = T.alloc_shared((m, NCH, 32, 3 * NT, 4), "bfloat16")
+            Cos = T.alloc_shared((NWB, 16, ncf + 1), "float32")  # (+ 1: rows g apart in other banks)
+            fv = T.alloc_local((4,), "float32")
+            pl = T.alloc_local((3, 4), "bfloat16")
+            xl = T.alloc_local((2, len(rows), 2), "uint32")
+            xn = T.alloc_local((2, len(rows), 2), "uint32")
+            ol = T.alloc_local((m, 2, 2), "uint32")  # h_new as the A fragment: [stream, word, row g + 8r]
+            xo = T.alloc_local((2, 2), "uint32")
+            st = T.alloc_local((2,), "uint32")
+            hf = T.alloc_local((m, 2), "float32")
+            xf = T.alloc_local((2,), "float32")
+            hv = T.alloc_local((m,), "float32")
+            sq = T.alloc_local((2,), "float32")
+            bf = T.alloc_local((3 * NT, 4), "bfloat16")
+            Cc = T.alloc_local((NT * 4,), "float32")
+            Ct = T.alloc_local((NT * 4,), "float32")
+            # fn's slice -> three bf16 pieces at [stream, column // 16, lane, piece, n // 8, column % 4]
+            # with lane = (n % 8) * 4 + column % 16 // 4: the B fragment of lane (g, c) for one chunk
+            # and stream is fn's row n = 8 tn + g at the chunk's columns 4c..4c+3
+            for it in T.unroll(-(-nfv // nth)):
+                v = it * nth + tx
+                if v < nfv:
+                    n = v // (m * W // 4)
+                    j = v // (W // 4) % m
+                    col = v % (W // 4) * 4
+                    for e in T.vectorized(4):
+                        fv[e] = T.if_then_else(n < mix, B["FN"][T.min(n, mix - 1), j * D + bg * W + col + e],
+                                               T.float32(0))
+                    for e in T.unroll(4):
+                        for pc, piece in enumerate(_bf16_pieces(fv[e], 3)):
+                            pl[pc, e] = piece
+                    for pc in [0, 1, 2]:
+                        for e in T.vectorized(4):
+                            Fs[j, col // CW, n % 8 * 4 + col % CW // 4, pc * NT + n // 8, e] = pl[pc, e]
+            T.sync_threads()  # fn's slice in Fs: the CTA's only barrier
+            wid = tx // 32
+            lane = tx % 32
+            g = lane // 4
+            c = lane % 4
+            NB = T.ceildiv(N, 16)  # 16-token blocks
+            P = T.min(T.ceildiv(NB, NWB), pmax)  # CTAs along the tokens
+            PV = P * NWB  # warps along the tokens, over all CTAs
+            vb = wid * P + bp  # this warp's first block; then vb + PV, ... (a tail spreads over CTAs)
+            nb = T.if_then_else(vb < NB, T.ceildiv(NB - T.min(vb, NB), PV), 0)
+            w0 = (bg * W + 4 * c) // 2  # the lane's first word of a row in chunk 0
+            R = {"Cos": Cos, "ol": ol, "xo": xo, "hf": hf, "xf": xf, "hv": hv, "sq": sq}
+            load_streams(V, xn, vb, w0, g)
+            for f in T.serial(nb * NCH):  # the warp's (block, chunk) sequence
+                ch = f % NCH
+                blk = vb + f // NCH * PV
+                wo = w0 + ch * (CW // 2)
+                if ch == 0:  # the block's coefficients into Cos[wid] (zeros past N)
+                    T.sync_warp()  # the previous block's reads of Cos[wid] are done
+                    for name, size, off in coef_arrays:  # each array's 16 rows are contiguous
+                        for v in T.unroll(-(-16 * size // 32)):
+                            if v * 32 + lane < 16 * size:
+                                t = blk * 16 + (v * 32 + lane) // size
+                                k = (v * 32 + lane) % size
+                                if t < N:
+                                    if name == "CIN":
+                                        Cos[wid, (v * 32 + lane) // size, off + k] = B[name][t, k // m, k % m]
+                                    else:
+                                        Cos[wid, (v * 32 + lane) // size, off + k] = B[name][t, k]
+                                else:
+                                    Cos[wid, (v * 32 + lane) // size, off + k] = T.float32(0)
+                    T.sync_warp()
+                    for k in T.unroll(NT * 4):
+                        Ct[k] = T.float32(0)
+                    for r in T.unroll(2):
+                        sq[r] = T.float32(0)
+                for r in T.unroll(2):
+                    for j in rows:
+                        for w in T.unroll(2):
+                            xl[r, j, w] = xn[r, j, w]
+                if f + 1 < nb * NCH:  # the next chunk travels while this one is computed
+                    load_streams(V, xn, vb + (f + 1) // NCH * PV, w0 + (f + 1) % NCH * (CW // 2), g)
+                for r in T.unroll(2):
+                    for w in T.unroll(2):
+                        columns(R, xl, wid, g, r, w)
+                for r in T.unroll(2):
+                    t = blk * 16 + g + 8 * r
+                    if t < N:
+                        for w in T.vectorized(2):
+                            V["X"][t, wo + w] = xo[r, w]
+                        if expand:
+                            for j in T.unroll(m):
+                                for w in T.unroll(2):
+                                    st[w] = ol[j, w, r]
+                                for w in T.vectorized(2):
+                                    V["HN"][t, j, wo + w] = st[w]
+                for k in T.unroll(NT * 4):
+                    Cc[k] = T.float32(0)
+                for j in T.unroll(m):
+                    for pt in T.unroll(3 * NT):
+                        for e in T.vectorized(4):
+                            bf[pt, e] = Fs[j, ch, lane, pt, e]
+                    for pc in [2, 1, 0]:  # the small cross terms first
+                        for tn in T.unroll(NT):
+                            T.ptx_mma("float32", "m16n8k16", "row", "col", "bf16", "bf16", "fp32",
+                                      ol.data, j * 4, bf.data, (pc * NT + tn) * 4, Cc.data, tn * 4,
+                                      T.bool(False))
+                for k in T.unroll(NT * 4):
+                    Ct[k] = add(Ct[k], Cc[k])
+                if ch == NCH - 1:  # the block's partial mixes and sums of squares to the workspace
+                    for r in T.unroll(2):
+                        for o in [1, 2]:  # over the 4 lanes of a row
+                            sq[r] = sq[r] + T.shfl_xor(sq[r], o)
+                        t = blk * 16 + g + 8 * r
+                        if t < N:
+                            for tn in T.unroll(NT):
+                                for e in T.unroll(2):
+                                    if tn * 8 + c * 2 + e < mix:
+                                        B["WS"][bg, t, tn * 8 + c * 2 + e] = Ct[tn * 4 + r * 2 + e]
+                            if c == 0:
+                                B["WS"][bg, t, mix] = sq[r]
 
     return names, _prim_func(names, S, body).with_attr(NO_SYNC_ATTR, 1)  # it places all its barriers
 
