@@ -351,3 +351,47 @@ def test_cuda_leading_dims_and_opcheck(fmt):
     utils = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
     torch.library.opcheck(OPS[fmt][0], (x,), test_utils=utils)
     torch.library.opcheck(OPS[fmt][1], (q, s, False), test_utils=utils)
+
+
+def test_launcher_dispatch_cpu():
+    """A C-target build is called through TileLang's own (Cython) adapter, which checks its
+    arguments; the launcher exposes the JITKernel's attributes."""
+    launcher = K.build("fp8", "dequant", "float32", 512, "c")
+    assert isinstance(launcher, K.Launcher) and launcher.call is launcher.kernel
+    assert launcher.execution_backend == "cython"
+    with pytest.raises(ValueError):  # TileLang's check: a static dim of the wrong size
+        launcher(torch.zeros(2, 512, dtype=torch.uint8), torch.zeros(2, 8, dtype=torch.uint8),
+                 torch.empty(2, 256))
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_launcher_calls_the_executable():
+    """A CUDA build is called through its TVM-FFI executable, not TileLang's Python wrapper: the same
+    bytes as the wrapper's call, on torch's current stream, and bad arguments still refused (by
+    the executable's compiled checks)."""
+    target = K.kernel_target(torch.empty(0, device="cuda"))
+    launcher = K.build("fp8", "dequant", "bfloat16", 512, target)
+    assert launcher.kernel.execution_backend == "tvm_ffi" and launcher.call is not launcher.kernel
+    q, s = Q.fp8_quant_ref(torch.randn(300, 512))
+    q, s = q.cuda(), s.cuda()
+    direct, wrapped = (torch.full((300, 512), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in "ab")
+    q_late = torch.zeros_like(q)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # q_late gets its codes only after ~25 ms on this stream: a kernel
+        torch.cuda._sleep(50_000_000)  # launched on any other stream would decode its zeros
+        q_late.copy_(q)
+        launcher(q_late, s, direct)
+    torch.cuda.current_stream().wait_stream(side)
+    launcher.kernel(q, s, wrapped)
+    torch.cuda.synchronize()
+    assert torch.equal(direct.view(torch.int16), wrapped.view(torch.int16))
+    assert torch.equal(direct.float().cpu(), Q.fp8_dequant_ref(q.cpu(), s.cpu(), torch.bfloat16).float())
+    bad = [(q[:, :256].contiguous(), s, direct),                      # a static dim of the wrong size
+           (q, s, direct.float()),                                     # the wrong dtype
+           (q.cpu(), s, direct),                                       # the wrong device
+           (q, s)]                                                     # an argument missing
+    for args in bad:
+        with pytest.raises((ValueError, TypeError, RuntimeError)):
+            launcher(*args)

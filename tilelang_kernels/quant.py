@@ -573,10 +573,39 @@ def compile_for(fn, target: str):
     whose warp groups meet at named barriers), an inserted CTA-wide barrier costs time or
     deadlocks."""
     if target == "c":
-        return tilelang.compile(fn, target="c")
+        return Launcher(tilelang.compile(fn, target="c"))
     arch = target.partition(":")[2]
     tgt = {"kind": "cuda", "arch": arch} if arch else "cuda"
-    return tilelang.compile(fn, target=tgt, pass_configs=cuda_pass_configs(fn))
+    return Launcher(tilelang.compile(fn, target=tgt, pass_configs=cuda_pass_configs(fn)))
+
+
+class Launcher:
+    """A compiled TileLang kernel, called with every argument of its prim_func in order (outputs
+    included: no kernel here has TileLang allocate its outputs). Shared by every kernel module.
+
+    A CUDA build runs through TileLang's TVM-FFI executable. TileLang's own call
+    (`JITKernel.__call__`, then its adapter's Python wrapper) rebuilds the argument list and looks
+    for outputs to allocate on every call before it calls that executable with the same arguments;
+    the executable checks them itself in its compiled host code (count, dtype, rank, static
+    dims, device) and launches on torch's current stream. So a CUDA call goes to the executable
+    directly. Any other build (the CPU C target's, through TileLang's Cython adapter, which checks
+    the arguments in Python) goes through the JITKernel. Other attributes are the JITKernel's."""
+
+    __slots__ = ("kernel", "call")
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        adapter = kernel.adapter
+        direct = kernel.execution_backend == "tvm_ffi" and not adapter.result_idx
+        self.call = adapter._get_executable() if direct else kernel
+
+    def __call__(self, *args):
+        return self.call(*args)
+
+    def __getattr__(self, name):
+        if name in Launcher.__slots__:  # not set yet
+            raise AttributeError(name)
+        return getattr(self.kernel, name)
 
 
 def cuda_pass_configs(fn) -> dict:
