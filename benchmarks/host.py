@@ -48,6 +48,17 @@ def wall_us(fn, calls: int) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
+@contextlib.contextmanager
+def launcher_call(call):
+    """Every launcher runs `call(launcher, *args)` meanwhile."""
+    direct = K.Launcher.__call__
+    K.Launcher.__call__ = call
+    try:
+        yield
+    finally:
+        K.Launcher.__call__ = direct
+
+
 def recorded_calls(op):
     """The (launcher, args) of every kernel call one call of op makes."""
     calls, direct = [], K.Launcher.__call__
@@ -55,23 +66,9 @@ def recorded_calls(op):
     def record(self, *args):
         calls.append((self, args))
         return direct(self, *args)
-    K.Launcher.__call__ = record
-    try:
+    with launcher_call(record):
         op()
-    finally:
-        K.Launcher.__call__ = direct
     return calls
-
-
-@contextlib.contextmanager
-def through_tilelang():
-    """Every launcher calls through TileLang's JITKernel meanwhile."""
-    direct = K.Launcher.__call__
-    K.Launcher.__call__ = lambda self, *args: self.kernel(*args)
-    try:
-        yield
-    finally:
-        K.Launcher.__call__ = direct
 
 
 def ops():
@@ -99,8 +96,7 @@ def main() -> None:
               "empty": wall_us(lambda: torch.empty(1024, device="cuda"), a.calls)}
     rows = []
     for name, op in ops():
-        op()
-        calls = recorded_calls(op)
+        calls = recorded_calls(op)  # (the first call builds the kernels)
 
         def kernels_direct(calls=calls):
             for launcher, args in calls:
@@ -109,7 +105,7 @@ def main() -> None:
         def kernels_tilelang(calls=calls):
             for launcher, args in calls:
                 launcher.kernel(*args)
-        with through_tilelang():
+        with launcher_call(lambda self, *args: self.kernel(*args)):  # through TileLang's JITKernel
             op_tilelang = wall_us(op, a.calls)
         row = {"op": name, "kernels": len(calls),
                "op_direct_us": wall_us(op, a.calls), "op_tilelang_us": op_tilelang,

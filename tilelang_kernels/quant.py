@@ -567,7 +567,8 @@ NO_GUARD_ATTR = "dsv41c.no_safe_memory_access"
 
 def compile_for(fn, target: str):
     """tilelang.compile of a prim_func for target "c" (CPU) or "cuda[:sm_XX[a]]", without fast math
-    (the kernels' exactness arguments assume IEEE fp32 operations), as a `Launcher`. Shared by every kernel module.
+    (the kernels' exactness arguments assume IEEE fp32 operations), as a `Launcher`. Shared by every
+    kernel module.
     A prim_func with the attr NO_SYNC_ATTR is compiled without TileLang's shared-memory barrier
     insertion: for a kernel that places every barrier itself (the mHC column-resident kernel,
     whose warp groups meet at named barriers), an inserted CTA-wide barrier costs time or
