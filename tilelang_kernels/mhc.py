@@ -85,7 +85,7 @@ from dsv41c.tilelang_kernels.quant import (
     _store,
     compile_for,
     define_op,
-    kernel_target,
+    device_target,
 )
 
 from dsv41c import mhc
@@ -391,42 +391,79 @@ def cuda_splits(D: int, n: int, sms: int = _SMS) -> int:
 # ------------------------------------------------------------------------------------- torch.library ops
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+# each op's tensor arguments in schema order, as kernel parameter names; its outputs; its first
+# stream, which gives T, m, D and the stream dtype
+_INPUTS = {"pre": ("H", "FN", "SC", "BASE", "PD"),
+           "post_pre": ("Y", "RES", "PIN", "CIN", "PD", "FN", "SC", "BASE"),
+           "post_collapse": ("Y", "RES", "PIN", "CIN", "PD")}
+_OUTPUTS = {"pre": ("X", "PRE", "POST", "COMB"), "post_pre": ("HN", "X", "PRE", "POST", "COMB"),
+            "post_collapse": ("HN", "X")}
+_LEAD = {"pre": "H", "post_pre": "RES", "post_collapse": "RES"}
+_ARG_NAMES = {"H": "h", "Y": "y", "RES": "res", "PIN": "post", "CIN": "comb", "PD": "pre_delayed", "FN": "fn",
+              "SC": "scale", "BASE": "base"}
 
 
+def _signature(tensors) -> tuple:
+    """What the argument checks read of each tensor: the key of `_plan`."""
+    return tuple([(t.shape, t.dtype, t.device) for t in tensors])  # (a list is faster to build)
 
-def _check(op, streams, coefs, fn_args):
-    """Validate: streams {name: tensor} are [T, m, D] or [T, D] of one dtype (fp32/bf16) and
-    device; coefs {name: (tensor, per-token shape)} are fp32; fn_args (fn, scale, base) or None."""
-    (sname, s0), *_ = streams.items()
-    if s0.dim() != 3 or s0.dtype not in _DTYPES:
-        raise ValueError(f"{op}: {sname} must be [T, m, D] fp32 or bf16, got {s0.dtype} {tuple(s0.shape)}")
-    n, m, d = s0.shape
+
+@functools.lru_cache(maxsize=1024)  # one entry per op, shape and device: the checks run once per key
+def _plan(kind, sig, eps):
+    """Check an op's arguments from their `_signature` sig and plan its launch: (T, m, D, target,
+    ((kernel, positions of its parameters in inputs + outputs + workspace), ...), workspace shape
+    or None).  Raises ValueError naming the first bad argument."""
+    op, names = f"mhc_{kind}", _INPUTS[kind]
+    shape0, sdt, device = sig[names.index(_LEAD[kind])]
+    if len(shape0) != 3 or sdt not in _DTYPES:
+        raise ValueError(f"{op}: {_ARG_NAMES[_LEAD[kind]]} must be [T, m, D] fp32 or bf16, got {sdt} {tuple(shape0)}")
+    n, m, d = shape0
     mix = 2 * m + m * m
-    want = {name: ((n, m, d) if t.dim() == 3 else (n, d), s0.dtype) for name, t in streams.items()}
-    want.update({name: ((n, *(m if x == "m" else x for x in tail)), torch.float32)
-                 for name, (_, tail) in coefs.items()})
-    tensors = {**streams, **{name: t for name, (t, _) in coefs.items()}}
-    if fn_args is not None:
-        tensors.update(zip(("fn", "scale", "base"), fn_args))
-        want.update(fn=((mix, m * d), torch.float32), scale=((3,), torch.float32), base=((mix,), torch.float32))
-    for name, t in tensors.items():
-        shape, dtype = want[name]
-        if tuple(t.shape) != shape or t.dtype != dtype or t.device != s0.device:
-            raise ValueError(f"{op}: {name} must be {dtype} {shape} on {s0.device}, "
-                             f"got {t.dtype} {tuple(t.shape)} on {t.device}")
-    if s0.is_cuda and (d % DC or (fn_args is not None and (mix > _NPAD - 1 or n > 65535 * TB))):
+    dims = {"N": n, "m": m, "D": d, "3": 3, "x": mix, "F": m * d}
+    for name, (shape, dtype, dev) in zip(names, sig, strict=True):
+        want = tuple(dims[c] for c in _SHAPES[name][0]), sdt if _SHAPES[name][1] == "S" else torch.float32
+        if (tuple(shape), dtype, dev) != (*want, device):
+            raise ValueError(f"{op}: {_ARG_NAMES[name]} must be {want[1]} {want[0]} on {device}, "
+                             f"got {dtype} {tuple(shape)} on {dev}")
+    target = device_target(device, "mhc")
+    mixing = "FN" in names
+    if target != "c" and (d % DC or (mixing and (mix > _NPAD - 1 or n > 65535 * TB))):
         raise ValueError(f"{op}: the CUDA build needs D % {DC} == 0, 2m + m^2 < {_NPAD} and at most "
                          f"{65535 * TB} tokens (grid y), got D={d}, m={m}, T={n}")
-    return n, m, d
+    ws = None
+    if target != "c" and mixing:
+        ws = (d // _CR_W if column_resident(kind, _DTYPES[sdt], d) else cuda_splits(d, n), n, _NPAD)
+    slots = (*names, *_OUTPUTS[kind], "WS")
+    kernels = tuple((kernel, tuple(slots.index(p) for p in params))
+                    for params, kernel in build(kind, _DTYPES[sdt], m, d, *eps, target))
+    return n, m, d, target, kernels, ws
 
 
 def _kernel_arg(t: torch.Tensor, target: str) -> torch.Tensor:
-    """Contiguous, 16-byte aligned for the CUDA vector accesses; bf16 as uint16 bits for the C build.
-    (Outputs are fresh contiguous tensors, so these are views of them, not copies.)"""
+    """An input as a kernel argument: contiguous, 16-byte aligned for the CUDA vector accesses; bf16
+    as uint16 bits for the C build."""
     t = t.contiguous()
     if target != "c" and t.data_ptr() % 16:
         t = t.clone()
     return t.view(torch.uint16) if target == "c" and t.dtype == torch.bfloat16 else t
+
+
+def _run(kind, inputs, eps, outputs):
+    """Check the op's inputs (once per `_plan` key), allocate its outputs with `outputs(T, m, D)`,
+    run its kernels (the CUDA mixing kinds: over a fresh workspace) and return the outputs."""
+    n, m, d, target, kernels, ws = _plan(kind, _signature(inputs), eps)
+    outs = outputs(n, m, d)
+    if n:
+        args = [_kernel_arg(t, target) for t in inputs]
+        if target == "c":  # the outputs are fresh contiguous tensors: views, not copies
+            args += [_kernel_arg(t, target) for t in outs]
+        else:
+            args += outs
+            if ws is not None:
+                args.append(outs[0].new_empty(ws, dtype=torch.float32))
+        for kernel, slots in kernels:
+            kernel(*[args[i] for i in slots])
+    return outs
 
 
 def _mixes_out(n, m, like):
@@ -434,29 +471,14 @@ def _mixes_out(n, m, like):
             like.new_empty((n, m, m), dtype=torch.float32))
 
 
-def _launch(kind, bufs, n, m, d, dtype, eps):
-    """Run the build of `kind` on bufs {parameter name: tensor}: the C kernel, or the CUDA main
-    kernel and, for the mixing kinds, the finalize kernel over a fresh workspace."""
-    if n == 0:
-        return
-    target = kernel_target(bufs["X"], "mhc")
-    if target != "c" and kind != "post_collapse":
-        if column_resident(kind, _DTYPES[dtype], d):
-            k = d // _CR_W
-        else:
-            k = cuda_splits(d, n)
-        bufs["WS"] = bufs["X"].new_empty((k, n, _NPAD), dtype=torch.float32)
-    args = {name: _kernel_arg(t, target) for name, t in bufs.items()}
-    for names, kernel in build(kind, _DTYPES[dtype], m, d, *eps, target):
-        kernel(*(args[name] for name in names))
+def _streams_out(res):
+    n, m, d = res.shape
+    return torch.empty_like(res, memory_format=torch.contiguous_format), res.new_empty((n, d))
 
 
 def _pre(h, fn, scale, base, pre_delayed, norm_eps, hc_eps, iters):
-    n, m, d = _check("mhc_pre", {"h": h}, {"pre_delayed": (pre_delayed, ("m",))}, (fn, scale, base))
-    x, mo = h.new_empty((n, d)), _mixes_out(n, m, h)
-    _launch("pre", {"H": h, "FN": fn, "SC": scale, "BASE": base, "PD": pre_delayed, "X": x, "PRE": mo[0],
-                    "POST": mo[1], "COMB": mo[2]}, n, m, d, h.dtype, (norm_eps, hc_eps, iters))
-    return (x, *mo)
+    return _run("pre", (h, fn, scale, base, pre_delayed), (norm_eps, hc_eps, iters),
+                lambda n, m, d: (h.new_empty((n, d)), *_mixes_out(n, m, h)))
 
 
 def _pre_fake(h, fn, scale, base, pre_delayed, norm_eps, hc_eps, iters):
@@ -464,38 +486,22 @@ def _pre_fake(h, fn, scale, base, pre_delayed, norm_eps, hc_eps, iters):
     return (h.new_empty((n, d)), *_mixes_out(n, m, h))
 
 
-def _post_args(op, y, res, post, comb, pre_delayed, fn_args):
-    return _check(op, {"res": res, "y": y},
-                  {"post": (post, ("m",)), "comb": (comb, ("m", "m")), "pre_delayed": (pre_delayed, ("m",))},
-                  fn_args)
-
-
 def _post_pre(y, res, post, comb, pre_delayed, fn, scale, base, norm_eps, hc_eps, iters):
-    n, m, d = _post_args("mhc_post_pre", y, res, post, comb, pre_delayed, (fn, scale, base))
-    h_new, x = torch.empty_like(res, memory_format=torch.contiguous_format), res.new_empty((n, d))
-    mo = _mixes_out(n, m, res)
-    _launch("post_pre", {"Y": y, "RES": res, "PIN": post, "CIN": comb, "PD": pre_delayed, "FN": fn,
-                         "SC": scale, "BASE": base, "HN": h_new, "X": x, "PRE": mo[0], "POST": mo[1],
-                         "COMB": mo[2]}, n, m, d, res.dtype, (norm_eps, hc_eps, iters))
-    return (h_new, x, *mo)
+    return _run("post_pre", (y, res, post, comb, pre_delayed, fn, scale, base), (norm_eps, hc_eps, iters),
+                lambda n, m, d: (*_streams_out(res), *_mixes_out(n, m, res)))
 
 
 def _post_pre_fake(y, res, post, comb, pre_delayed, fn, scale, base, norm_eps, hc_eps, iters):
-    n, m, d = res.shape
-    return (torch.empty_like(res, memory_format=torch.contiguous_format), res.new_empty((n, d)),
-            *_mixes_out(n, m, res))
+    n, m, _ = res.shape
+    return (*_streams_out(res), *_mixes_out(n, m, res))
 
 
 def _post_collapse(y, res, post, comb, pre_delayed):
-    n, m, d = _post_args("mhc_post_collapse", y, res, post, comb, pre_delayed, None)
-    h_new, x = torch.empty_like(res, memory_format=torch.contiguous_format), res.new_empty((n, d))
-    _launch("post_collapse", {"Y": y, "RES": res, "PIN": post, "CIN": comb, "PD": pre_delayed, "HN": h_new,
-                              "X": x}, n, m, d, res.dtype, (0.0, 0.0, 0))
-    return h_new, x
+    return _run("post_collapse", (y, res, post, comb, pre_delayed), (0.0, 0.0, 0), lambda n, m, d: _streams_out(res))
 
 
 def _post_collapse_fake(y, res, post, comb, pre_delayed):
-    return torch.empty_like(res, memory_format=torch.contiguous_format), res.new_empty((res.shape[0], res.shape[2]))
+    return _streams_out(res)
 
 
 _KW = "float norm_eps, float hc_eps, int iters"

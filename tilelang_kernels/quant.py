@@ -628,13 +628,18 @@ def build_many(keys) -> None:
 
 
 def kernel_target(t: torch.Tensor, family: str = "quant") -> str:
-    """The build target for a tensor's device: "c" (CPU) or "cuda:sm_XY", with Hopper's
-    arch-specific suffix ("sm_90a": wgmma needs it). Shared by every kernel module."""
-    if t.device.type == "cpu":
+    """The build target for a tensor's device (`device_target`). Shared by every kernel module."""
+    return device_target(t.device, family)
+
+
+def device_target(device: torch.device, family: str = "quant") -> str:
+    """The build target for a device: "c" (CPU) or "cuda:sm_XY", with Hopper's arch-specific suffix
+    ("sm_90a": wgmma needs it)."""
+    if device.type == "cpu":
         return "c"
-    if t.device.type == "cuda":
-        return _cuda_target(t.device.index if t.device.index is not None else torch.cuda.current_device())
-    raise ValueError(f"{family} kernels: no build for device {t.device}")
+    if device.type == "cuda":
+        return _cuda_target(device.index if device.index is not None else torch.cuda.current_device())
+    raise ValueError(f"{family} kernels: no build for device {device}")
 
 
 @functools.cache
