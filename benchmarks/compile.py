@@ -45,8 +45,9 @@ from dsv41c.model import Transformer
 
 VARIANTS = ("eager", "torch.compile", "dsv41c.compile")
 # "dsv41c.compile+lower_mhc+fp4_kv": the default pass pipeline plus the named passes; "+cpp_wrapper"
-# (not a pass) compiles with Inductor's C++ wrapper
-CPP_WRAPPER = "cpp_wrapper"
+# (not a pass) compiles with Inductor's C++ wrapper, "+cudagraphs" replays the decode steps' CUDA
+# graphs (dsv41c.compile's options of those names)
+CPP_WRAPPER, CUDAGRAPHS = "cpp_wrapper", "cudagraphs"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -111,8 +112,9 @@ def make_variant(name: str, model: Transformer):
         return model
     if name.startswith("dsv41c.compile"):
         suffixes = name.split("+")[1:]
-        extra = tuple(p for p in suffixes if p != CPP_WRAPPER)
-        return dsv41c.compile(model, passes=DEFAULT_PASSES + extra, cpp_wrapper=CPP_WRAPPER in suffixes)
+        extra = tuple(p for p in suffixes if p not in (CPP_WRAPPER, CUDAGRAPHS))
+        return dsv41c.compile(model, passes=DEFAULT_PASSES + extra, cpp_wrapper=CPP_WRAPPER in suffixes,
+                              cudagraphs=CUDAGRAPHS in suffixes)
     fn = torch.compile(model.forward, fullgraph=True, dynamic=True)
 
     def plain(ids, start_pos=0, full_logits=False):   # Inductor's defaults but for dsv41c.compile's workarounds

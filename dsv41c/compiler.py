@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from dsv41c.errors import InputError
 from dsv41c.model import Transformer
@@ -108,6 +109,86 @@ def opaque_grouped_mm(experts: Sequence[Experts]) -> Iterator[None]:
 # bf16 rounding now and then shows it. Found by bisecting Inductor's decomposition table under
 # aot_autograd without code generation: `aten._softmax` alone gives the whole difference.
 PRECISION = {"emulate_precision_casts": True}
+
+# Inductor settings of a decode graph with `cudagraphs=True` (experimental). A decode step is
+# host-bound (hundreds of launches a step), and the position (a SymInt) sets the shapes of the
+# cache reads, so the step cannot be one CUDA graph (each position would record another). Inductor's
+# graph partitioning splits the step at every op whose shapes use a symbol: with the batch static
+# (the decode graph's ids are marked static), those are the position's ops (cache writes and reads,
+# RoPE, the indexer, sparse attention), which run as usual; the partitions between them (mHC, the
+# projections, the MoE, the head) are recorded once per batch size by the CUDA graph trees and
+# replayed. Inductor's own test of "uses a symbol" needs `partition_on_shape_symbols`. Partition
+# reordering is off: it was not needed to reach the partitioning measured (BENCHMARKS.md).
+CUDAGRAPH_OPTIONS = {"triton.cudagraphs": True, "graph_partition": True,
+                     "triton.cudagraph_skip_dynamic_graphs": True,
+                     "triton.reorder_for_reducing_graph_partitions": False}
+_DYNAMIC = "dynamic shape ops"  # Inductor's partition reason for a node that uses a symbol
+
+
+class PartitionRuleKey(CustomGraphPass):
+    """A pass that changes nothing: its uuid, a hash of this file, keys Inductor's caches on the
+    partition rule of `partition_on_shape_symbols`, which Inductor's own cache key cannot see (a
+    graph partitioned by another rule would otherwise be reused)."""
+
+    def __call__(self, graph: fx.Graph) -> None:
+        pass
+
+    def uuid(self) -> bytes:
+        return get_hash_for_files((__file__,))
+
+
+@contextlib.contextmanager
+def partition_on_shape_symbols() -> Iterator[None]:
+    """Meanwhile, Inductor's graph partitioner takes a node as dynamic only if it uses a symbol of
+    the shape environment (a size or an unbacked value), and never graphs a node that writes into
+    another buffer's memory.
+
+    Inductor (torch 2.11-2.13) counts a node's own loop index and temporary symbols (`d0`, `i0`,
+    `tmp0`, ...) among its symbol uses, so nearly every computed buffer came out dynamic: on an H200,
+    312 of 352 nodes of a 4-layer decode graph stayed out of the graphs. Counting the shape symbols
+    only (with those in the node's memory indexing, where an index_put's row from the position
+    shows), a concatenation was split: its pieces are written straight into its buffer, which was
+    then allocated on one side of a partition boundary and written on the other (wrong and NaN
+    logits). So a concatenation, the kernels that write its pieces, in-place mutations and writes to
+    graph inputs stay out of the graphs (BENCHMARKS.md, "CUDA graphs of the decode step")."""
+    from torch._inductor import ir
+    from torch._inductor.dependencies import MemoryDep
+    from torch._inductor.virtualized import V
+    from torch._inductor.scheduler import FusedSchedulerNode, Scheduler, get_scheduler_node_symbol_uses
+    from torch.utils._sympy.symbol import SymT, symbol_is_type
+    inner = Scheduler.should_partition
+    shape = (SymT.SIZE, SymT.FLOAT, SymT.UNBACKED_INT, SymT.UNBACKED_FLOAT)
+
+    def uses_shape_symbol(node) -> bool:
+        # the symbols of its buffers and arguments, and those its loops index memory with (an
+        # index_put's row from the position shows only there)
+        syms = set(get_scheduler_node_symbol_uses(node))
+        for dep in (*node.read_writes.reads, *node.read_writes.writes):
+            if isinstance(dep, MemoryDep):
+                for expr in (dep.index, *dep.size):
+                    syms |= getattr(expr, "free_symbols", set())
+        body = getattr(node, "_body", None)
+        for expr in getattr(body, "indexing_exprs", {}).values():
+            syms |= expr.free_symbols
+        return any(symbol_is_type(s, shape) for s in syms)
+
+    def writes_another_buffer(node) -> bool:
+        ir_node = node.node
+        layout = getattr(ir_node, "layout", None)
+        return (isinstance(ir_node, ir.ConcatKernel)
+                or isinstance(layout, (ir.NonOwningLayout, ir.MutationLayoutSHOULDREMOVE))
+                or any(dep.name in V.graph.graph_inputs for dep in node.read_writes.writes))
+
+    def should_partition(self, node):
+        reason = inner(self, node)  # (a fused node: this function on each of its nodes)
+        if reason in (None, _DYNAMIC) and not isinstance(node, FusedSchedulerNode) and writes_another_buffer(node):
+            return "writes into another buffer"
+        return None if reason == _DYNAMIC and not uses_shape_symbol(node) else reason
+    Scheduler.should_partition = should_partition
+    try:
+        yield
+    finally:
+        Scheduler.should_partition = inner
 
 
 def inductor_options(pipeline) -> dict:
@@ -258,14 +339,19 @@ class CompiledModel:
 
     observe: record `snapshots` (op counts of every graph before the passes and after each one);
     keep_code: also keep each snapshot's readable graph code (large); cpp_wrapper: Inductor's C++
-    wrapper instead of its Python one (fewer host microseconds per kernel launch, a longer compile).
+    wrapper instead of its Python one (fewer host microseconds per kernel launch, a longer compile);
+    cudagraphs: decode steps replay CUDA graphs (see `CUDAGRAPH_OPTIONS`).
     """
 
     def __init__(self, model: Transformer, passes: Sequence[str] | None, strict: bool, backend: str = "inductor",
-                 observe: bool = False, keep_code: bool = False, cpp_wrapper: bool = False):
+                 observe: bool = False, keep_code: bool = False, cpp_wrapper: bool = False,
+                 cudagraphs: bool = False):
         if backend not in BACKENDS:
             raise InputError(f"backend: expected one of {BACKENDS}, found {backend!r}")
-        self.model, self.backend, self.cpp_wrapper = model, backend, cpp_wrapper
+        if cudagraphs and (model.device.type != "cuda" or backend != "inductor" or cpp_wrapper):
+            raise InputError(f"cudagraphs: needs a CUDA model, the inductor backend and the Python wrapper; found "
+                             f"{model.device.type}, {backend}, cpp_wrapper={cpp_wrapper}")
+        self.model, self.backend, self.cpp_wrapper, self.cudagraphs = model, backend, cpp_wrapper, cudagraphs
         # traced and run through `dsv41c::grouped_mm` where the C++ wrapper has no shim for the aten op
         self._opaque_experts = experts_without_shim(model) if cpp_wrapper else []
         self.pipeline = build_pipeline(passes, strict) if passes else PassPipeline([], strict)
@@ -285,27 +371,38 @@ class CompiledModel:
 
         self._fn = torch.compile(model.forward, backend=counting_backend, fullgraph=True, dynamic=True)
 
-    def _options(self) -> dict:
+    def _options(self, graphed: bool) -> dict:
         options = inductor_options(self.pipeline)
         if self.observe:                      # a cache hit would skip the passes being watched
             options["fx_graph_cache"] = False
         if self.cpp_wrapper:
             options.update(cpp_wrapper=True, **CPP_WRAPPER_WORKAROUNDS)
+        if graphed:
+            options.update(CUDAGRAPH_OPTIONS, post_grad_custom_pre_pass=PartitionRuleKey())
         return options
 
     def __call__(self, input_ids: torch.Tensor, start_pos: int = 0, full_logits: bool = False,
                  return_hidden: bool = False):
         self.model.check_inputs(input_ids, start_pos)          # eager-side checks (Transformer.check_inputs)
         input_ids = input_ids.to(self.model.device)            # host ids: copied here, not inside the graph
+        graphed = self.cudagraphs and input_ids.shape[1] == 1
+        if graphed:
+            # the batch is static in the decode graph, so only the position's ops have symbolic
+            # shapes; each call is a new step of the CUDA graph trees
+            torch._dynamo.mark_static(input_ids)
+            torch.compiler.cudagraph_mark_step_begin()
         t0, graphs = time.perf_counter(), self.graphs
         with torch.no_grad(), \
                 torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, specialize_float=True), \
                 torch._functorch.config.patch(enable_autograd_cache=not self.observe), \
-                torch._inductor.config.patch(self._options()), \
+                torch._inductor.config.patch(self._options(graphed)), \
+                partition_on_shape_symbols() if graphed else contextlib.nullcontext(), \
                 opaque_grouped_mm(self._opaque_experts):
             out = self._fn(input_ids, start_pos, full_logits, return_hidden)
         if self.graphs != graphs:
             self.compile_seconds += time.perf_counter() - t0
+        if graphed:  # a graph's outputs live in its memory pool, which the next step overwrites
+            out = torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, out)
         return out
 
     def __getattr__(self, name):
@@ -314,10 +411,10 @@ class CompiledModel:
 
 def compile(model: Transformer, passes: Sequence[str] | None = DEFAULT_PASSES, strict: bool = False, *,
             backend: str = "inductor", observe: bool = False, keep_code: bool = False,
-            cpp_wrapper: bool = False) -> CompiledModel:
+            cpp_wrapper: bool = False, cudagraphs: bool = False) -> CompiledModel:
     """Compile `model` (prefill and decode steps) with the named passes; strict: a pass that matches
     nothing is an error. backend: "inductor" (code generation) or "passes_only" (the rewritten aten
     graph runs as is, see the module docstring); cpp_wrapper: Inductor's C++ wrapper code (launch
-    overhead; see CompiledModel). Graphs compile lazily, at the first call of each shape class
-    (prefill, decode, ...)."""
-    return CompiledModel(model, passes, strict, backend, observe, keep_code, cpp_wrapper)
+    overhead; see CompiledModel); cudagraphs: decode steps replay CUDA graphs (`CUDAGRAPH_OPTIONS`).
+    Graphs compile lazily, at the first call of each shape class (prefill, decode, ...)."""
+    return CompiledModel(model, passes, strict, backend, observe, keep_code, cpp_wrapper, cudagraphs)

@@ -118,3 +118,35 @@ def test_cpp_wrapper_on_cuda_matches_the_python_wrapper():
     assert all(x.isfinite().all() for x in runs[True])
     errs = [rel_err(a, b) for a, b in zip(runs[True], runs[False], strict=True)]
     assert sorted(errs)[-2] <= 1e-2, errs
+
+
+def test_cudagraphs_decode_matches_the_plain_compile_and_replays_graphs():
+    """`dsv41c.compile(cudagraphs=True)`: every pass on tiny's first four layers at bench.json's
+    widths (bf16, kv_quant), eager prefill, then 8 decode steps replaying the CUDA graphs of the
+    position-independent partitions, against the same steps without graphs (logits within the bf16
+    bound of each other) and with the graphs launched (torch.profiler sees cudaGraphLaunch). About 5
+    minutes: two compiles."""
+    from torch.profiler import ProfilerActivity, profile
+    torch._dynamo.reset()
+    args = first_four_args("bench")
+    model = dsv41c.build_model(args, seed=0, dtype=torch.bfloat16, kv_quant=True, device="cuda")
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, args.vocab_size, (2, 40), generator=gen).cuda()
+    tokens = torch.randint(0, args.vocab_size, (8, 2, 1), generator=gen).cuda()
+    passes = ("fuse_wqa_wkv", "lower_mhc", "fp4_kv", "lower_indexer", "lower_sparse_attn")
+    runs, launches = {}, {}
+    for graphs in (True, False):
+        compiled = dsv41c.compile(model, passes, cudagraphs=graphs)
+        model.reset_cache()
+        with torch.no_grad():
+            model(prompt, 0)
+            runs[graphs] = [compiled(t, 40 + i).float() for i, t in enumerate(tokens[:6])]
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                runs[graphs] += [compiled(t, 46 + i).float() for i, t in enumerate(tokens[6:])]
+                torch.cuda.synchronize()
+        launches[graphs] = sum(e.count for e in prof.key_averages() if e.key == "cudaGraphLaunch")
+        torch._dynamo.reset()
+    assert launches[True] >= 2 * 8 and launches[False] == 0, launches
+    assert all(x.isfinite().all() for x in runs[True])
+    errs = [rel_err(a, b) for a, b in zip(runs[True], runs[False], strict=True)]
+    assert max(errs) <= 2e-2, errs
