@@ -1,0 +1,110 @@
+"""The decode step with and without `dsv41c.compile(cudagraphs=True)`, side by side in one run, on
+tiny's first four layers at bench.json's widths (a cut that compiles in one to two minutes on an
+H200 host; `benchmarks/compile.py --variants ...+cudagraphs` times the whole bench.json model).
+
+    python3 benchmarks/cudagraphs.py [--batch 1] [--steps 24] [--json OUT.json]
+
+Every pass, bf16, kv_quant; an eager prefill of 40 tokens, then `--steps` compiled decode steps on
+the same tokens both ways. Prints, per variant: the first pass (compiles included), ms per step
+(median of 3 passes), host-side launches per step by API (cuLaunchKernel: Triton and TileLang;
+cudaLaunchKernel: aten; cudaGraphLaunch: one per graphed partition) and the device kernels per step
+(torch.profiler over 4 steps), the relative max-abs distance of each step's logits from eager, and
+the graphed variant's partitions (CUDA graph trees functions) and re-recordings (must stay none:
+a partition that took the position would record again at every step).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import dsv41c
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from conftest import first_four_args  # noqa: E402  (the cut the GPU tests use)
+
+PASSES = ("fuse_wqa_wkv", "lower_mhc", "fp4_kv", "lower_indexer", "lower_sparse_attn")
+PROMPT = 40
+LAUNCH_APIS = ("cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernel", "cudaGraphLaunch")
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("cudagraphs.py: needs a CUDA device")
+    args = first_four_args("bench")
+    model = dsv41c.build_model(args, seed=0, dtype=torch.bfloat16, kv_quant=True, device="cuda")
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, args.vocab_size, (a.batch, PROMPT), generator=gen).cuda()
+    tokens = torch.randint(0, args.vocab_size, (a.steps, a.batch, 1), generator=gen).cuda()
+
+    def decode(fn, steps=a.steps, keep=False):
+        model.reset_cache()
+        with torch.no_grad():
+            model(prompt, 0)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = [fn(tokens[i], PROMPT + i) for i in range(steps)]
+            torch.cuda.synchronize()
+        return ([o.float() for o in out] if keep else None), (time.perf_counter() - t0) / steps * 1e3
+
+    def launches(fn) -> dict:
+        from torch.profiler import ProfilerActivity, profile
+        model.reset_cache()
+        with torch.no_grad():
+            model(prompt, 0)
+            fn(tokens[0], PROMPT)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for i in range(1, 5):
+                    fn(tokens[i], PROMPT + i)
+                torch.cuda.synchronize()
+        events = prof.key_averages()
+        per_step = {e.key: e.count / 4 for e in events if e.key in LAUNCH_APIS}
+        per_step["device kernels"] = sum(e.count for e in events if e.device_type != torch.autograd.DeviceType.CPU) / 4
+        return per_step
+
+    eager, _ = decode(model, keep=True)
+    record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "batch": a.batch,
+              "steps": a.steps, "variants": {}}
+    logits = {}
+    for name, graphs in (("cudagraphs", True), ("plain", False)):
+        torch._dynamo.reset()
+        compiled = dsv41c.compile(model, PASSES, cudagraphs=graphs)
+        t0 = time.perf_counter()
+        logits[name], _ = decode(compiled, keep=True)
+        row = {"first_pass_s": time.perf_counter() - t0,
+               "ms_per_step": sorted(decode(compiled)[1] for _ in range(3))[1],
+               "launches_per_step": launches(compiled),
+               "err_vs_eager": [round(rel_err(x, y), 5) for x, y in zip(logits[name], eager, strict=True)]}
+        if graphs:
+            from torch._inductor import cudagraph_trees
+            manager = cudagraph_trees.get_container(torch.cuda.current_device()).tree_manager
+            row["partitions_graphed"] = len(manager.ids_to_funcs)
+            row["rerecords"] = sum(n for per_node in manager.num_rerecord.values() for n in per_node.values())
+        record["variants"][name] = row
+        print(name, json.dumps(row), flush=True)
+    record["cudagraphs_vs_plain"] = [round(rel_err(x, y), 5)
+                                     for x, y in zip(logits["cudagraphs"], logits["plain"], strict=True)]
+    print("cudagraphs vs plain, per step:", record["cudagraphs_vs_plain"])
+    v = record["variants"]
+    print(f"ms per step: cudagraphs {v['cudagraphs']['ms_per_step']:.2f}, plain {v['plain']['ms_per_step']:.2f} "
+          f"({v['plain']['ms_per_step'] / v['cudagraphs']['ms_per_step']:.2f}x)")
+    if a.json:
+        Path(a.json).write_text(json.dumps(record, indent=1))
+
+
+if __name__ == "__main__":
+    main()
