@@ -139,8 +139,8 @@ class PartitionRuleKey(CustomGraphPass):
 
 @contextlib.contextmanager
 def partition_on_shape_symbols() -> Iterator[None]:
-    """Meanwhile, Inductor's graph partitioner takes a node as dynamic only if it uses a symbol of
-    the shape environment (a size or an unbacked value), and never graphs a node that writes into
+    """While active, Inductor's graph partitioner takes a node as dynamic only if it uses a symbol
+    of the shape environment (a size or an unbacked value), and never graphs a node that writes into
     another buffer's memory.
 
     Inductor (torch 2.11-2.13) counts a node's own loop index and temporary symbols (`d0`, `i0`,
@@ -388,7 +388,9 @@ class CompiledModel:
         graphed = self.cudagraphs and input_ids.shape[1] == 1
         if graphed:
             # the batch is static in the decode graph, so only the position's ops have symbolic
-            # shapes; each call is a new step of the CUDA graph trees
+            # shapes (marked on a view: the caller's tensor stays unmarked); each call is a new
+            # step of the CUDA graph trees
+            input_ids = input_ids.view(input_ids.shape)
             torch._dynamo.mark_static(input_ids)
             torch.compiler.cudagraph_mark_step_begin()
         t0, graphs = time.perf_counter(), self.graphs
