@@ -430,6 +430,8 @@ def _plan(kind, sig, eps):
     if target != "c" and (d % DC or (mixing and (mix > _NPAD - 1 or n > 65535 * TB))):
         raise ValueError(f"{op}: the CUDA build needs D % {DC} == 0, 2m + m^2 < {_NPAD} and at most "
                          f"{65535 * TB} tokens (grid y), got D={d}, m={m}, T={n}")
+    if n == 0:  # nothing to launch (and nothing to build)
+        return n, m, d, target, (), None
     ws = None
     if target != "c" and mixing:
         ws = (d // _CR_W if column_resident(kind, _DTYPES[sdt], d) else cuda_splits(d, n), n, _NPAD)
