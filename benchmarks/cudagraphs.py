@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 import dsv41c
+from dsv41c.golden import relative_error
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from conftest import first_four_args  # noqa: E402  (the cut the GPU tests use)
@@ -30,10 +31,6 @@ from conftest import first_four_args  # noqa: E402  (the cut the GPU tests use)
 PASSES = ("fuse_wqa_wkv", "lower_mhc", "fp4_kv", "lower_indexer", "lower_sparse_attn")
 PROMPT = 40
 LAUNCH_APIS = ("cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernel", "cudaGraphLaunch")
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max()).item()
 
 
 def main() -> None:
@@ -88,7 +85,7 @@ def main() -> None:
         row = {"first_pass_s": time.perf_counter() - t0,
                "ms_per_step": sorted(decode(compiled)[1] for _ in range(3))[1],
                "launches_per_step": launches(compiled),
-               "err_vs_eager": [round(rel_err(x, y), 5) for x, y in zip(logits[name], eager, strict=True)]}
+               "err_vs_eager": [round(relative_error(x, y), 5) for x, y in zip(logits[name], eager, strict=True)]}
         if graphs:
             from torch._inductor import cudagraph_trees
             manager = cudagraph_trees.get_container(torch.cuda.current_device()).tree_manager
@@ -96,7 +93,7 @@ def main() -> None:
             row["rerecords"] = sum(n for per_node in manager.num_rerecord.values() for n in per_node.values())
         record["variants"][name] = row
         print(name, json.dumps(row), flush=True)
-    record["cudagraphs_vs_plain"] = [round(rel_err(x, y), 5)
+    record["cudagraphs_vs_plain"] = [round(relative_error(x, y), 5)
                                      for x, y in zip(logits["cudagraphs"], logits["plain"], strict=True)]
     print("cudagraphs vs plain, per step:", record["cudagraphs_vs_plain"])
     v = record["variants"]
