@@ -400,7 +400,15 @@ class CompiledModel:
                 torch._inductor.config.patch(self._options(graphed)), \
                 partition_on_shape_symbols() if graphed else contextlib.nullcontext(), \
                 opaque_grouped_mm(self._opaque_experts):
-            out = self._fn(input_ids, start_pos, full_logits, return_hidden)
+            try:
+                out = self._fn(input_ids, start_pos, full_logits, return_hidden)
+            except torch._dynamo.exc.FailOnRecompileLimitHit as e:
+                raise InputError(
+                    f"dsv41c.compile: input_ids {tuple(input_ids.shape)} at start_pos {start_pos} needs a new graph "
+                    f"of the model's forward, which has reached torch._dynamo.config.recompile_limit "
+                    f"({torch._dynamo.config.recompile_limit} graphs)"
+                    + ("; with cudagraphs=True each decode batch size is a graph of its own: use fewer batch "
+                       "sizes, raise the limit, or compile without cudagraphs" if graphed else "")) from e
         if self.graphs != graphs:
             self.compile_seconds += time.perf_counter() - t0
         if graphed:  # a graph's outputs live in its memory pool, which the next step overwrites

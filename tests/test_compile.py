@@ -97,6 +97,22 @@ def test_cudagraphs_need_a_cuda_model():
         dsv41c_compile(model, cudagraphs=True)
 
 
+def test_a_call_past_the_recompile_limit_is_an_input_error():
+    """A call that needs one graph more than Dynamo's recompile limit (with cudagraphs=True: every
+    decode batch size) raises InputError naming the call and the limit, not Dynamo's hard failure."""
+    model = dsv41c.build_model(first_four_args(), seed=0)
+    ids = torch.randint(0, 259, (1, 6), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    try:
+        compiled = dsv41c_compile(model, backend="passes_only")
+        with torch._dynamo.config.patch(recompile_limit=1):
+            compiled(ids, 0)                                        # the prefill graph
+            with pytest.raises(InputError, match=r"input_ids \(1, 1\) at start_pos 6 .*recompile_limit \(1 graphs\)"):
+                compiled(ids[:, :1], 6)                             # the decode step: a second graph
+    finally:
+        torch._dynamo.reset()
+
+
 def test_the_decode_partitions_of_cudagraphs_keep_the_logits(monkeypatch):
     """`cudagraphs=True` splits the decode graph into partitions (compiler.partition_on_shape_symbols).
     Emulated on the CPU: Inductor partitions CPU nodes as it would CUDA ones, and each partition it
