@@ -10,6 +10,16 @@
     dsv41c.export(model, "artifact/")                          # AOTInductor packages + manifest
     artifact = dsv41c.load_artifact("artifact/")               # verified, loaded, nothing compiled
 """
+from pathlib import Path as _Path
+
+# In a source checkout the subpackages dsv41c.passes, dsv41c.tilelang_kernels and dsv41c.cli are the
+# top-level folders beside this one (pyproject.toml's package-dir); an install puts them inside it.
+# Where this folder is imported from the checkout itself (`python -m pytest` in the repository root
+# puts the root first on sys.path, ahead of a non-editable install), the root joins the package's
+# search path after this folder, so those names resolve as installed.
+if not (_Path(__file__).parent / "passes").is_dir() and (_Path(__file__).parents[1] / "pyproject.toml").is_file():
+    __path__.append(str(_Path(__file__).parents[1]))
+
 from dsv41c.compiler import compile
 from dsv41c.config import ModelArgs
 from dsv41c.errors import (ArtifactError, CheckpointError, ConfigError, DSV41CError, GoldenMismatch,
