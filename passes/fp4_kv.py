@@ -97,6 +97,7 @@ class Mismatch(Exception):
 
 class PackedKV(GraphPass):
     name = "fp4_kv"
+    kernel_modules = ("quant",)
 
     def __init__(self, formats=FORMATS, **options):
         unknown = sorted(set(formats) - set(FORMATS))
@@ -118,8 +119,6 @@ class PackedKV(GraphPass):
                 model.cache = ModelCache(model.args, model.plan, model.dtype, "packed")
 
     def apply(self, graph: fx.Graph) -> PassStats:
-        from dsv41c.tilelang_kernels import quant as _kernels  # noqa: F401  (registers dsv41c::<fmt>_*)
-
         stats = PassStats(self.name)
         sites = provenance.find_sites(graph, _key)
         owner = {n: s for s in sites for n in s.nodes}

@@ -142,11 +142,9 @@ def _masks_invisible(site: Site) -> bool:
 
 class LowerIndexer(ModelPass):
     name = "lower_indexer"
+    kernel_modules = ("indexer", "quant")   # the scores, top-k and funnel; the keys' dequantise
 
     def apply(self, graph: fx.Graph) -> PassStats:
-        from dsv41c.tilelang_kernels import indexer as _kernels  # noqa: F401  (registers the ops)
-        from dsv41c.tilelang_kernels import quant as _codecs  # noqa: F401  (registers the dequant ops)
-
         self.bound_model()
         stats = PassStats(self.name)
         sites = provenance.find_sites(graph, _key)

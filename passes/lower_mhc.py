@@ -87,10 +87,9 @@ def _stored(node: fx.Node) -> fx.Node:
 
 class LowerMHC(ModelPass):
     name = "lower_mhc"
+    kernel_modules = ("mhc",)
 
     def apply(self, graph: fx.Graph) -> PassStats:
-        from dsv41c.tilelang_kernels import mhc as _kernels  # noqa: F401  (registers dsv41c::mhc_*)
-
         self.bound_model()
         stats = PassStats(self.name)
         sites = find_sites(graph)

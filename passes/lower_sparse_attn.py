@@ -66,10 +66,9 @@ def _target_is(node: fx.Node, op) -> bool:
 
 class LowerSparseAttn(ModelPass):
     name = "lower_sparse_attn"
+    kernel_modules = ("attention", "quant")  # the attention; the rows' dequantise
 
     def apply(self, graph: fx.Graph) -> PassStats:
-        from dsv41c.tilelang_kernels import attention as _kernels  # noqa: F401  (registers the ops)
-
         self.bound_model()
         stats = PassStats(self.name)
         sites = provenance.find_sites(graph, _key)
@@ -207,8 +206,6 @@ def _dequant_of(node: fx.Node, fmt: str, dtype: torch.dtype) -> tuple[fx.Node, f
 def _packed_rows(kv: fx.Node, dtype: torch.dtype):
     """(window, window_scales or None, comp codes or None, comp scales or None) when the rows are
     packed cache reads (module docstring), else None."""
-    from dsv41c.tilelang_kernels import quant as _codecs  # noqa: F401  (registers the dequant ops)
-
     ring = _dequant_of(kv, "fp8", dtype)
     if ring is not None:
         return (*ring, None, None)

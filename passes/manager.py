@@ -7,6 +7,7 @@ share it. Runs wherever Inductor runs (CPU included).
 from __future__ import annotations
 
 import hashlib
+import importlib
 import inspect
 import json
 from dataclasses import dataclass, field
@@ -47,9 +48,15 @@ class GraphPass:
     strict = False
     # Inductor settings the pass needs while it runs (merged by dsv41c.compiler.inductor_options)
     inductor_config: dict[str, Any] = {}
+    # modules of dsv41c.tilelang_kernels whose ops the rewritten graphs call. They are imported (the
+    # import registers the ops) when the pass is made, not when it runs: a graph that Inductor
+    # loads from its cache runs no pass, and still calls the ops.
+    kernel_modules: tuple[str, ...] = ()
 
     def __init__(self, **options: Any):
         self.options = options
+        for module in self.kernel_modules:
+            importlib.import_module(f"dsv41c.tilelang_kernels.{module}")
 
     def apply(self, graph: torch.fx.Graph) -> PassStats:
         raise NotImplementedError

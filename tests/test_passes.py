@@ -1,6 +1,9 @@
 """The pass framework and fuse_wqa_wkv: on small graphs (one Inductor compile each), and on the
 whole model through the passes_only backend, GEMMs per layer kind and numerics against eager."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from conftest import THREE_KINDS, record_tiny_cut
@@ -113,6 +116,23 @@ def test_pipeline_uuid_tracks_passes_options_and_source():
     assert build_pipeline(["fuse_wqa_wkv"], options={"fuse_wqa_wkv": {"min_group": 3}}).uuid() != base
     assert PassPipeline([FuseSiblingLinears(), CountGemms()]).uuid() != base     # another source joins
     assert build_pipeline(["fuse_wqa_wkv"], strict=True).uuid() != base
+
+
+def test_a_pipeline_registers_the_kernel_ops_its_graphs_call():
+    """A graph Inductor loads from its cache runs no pass, yet calls the kernel ops the passes put in
+    (a second process on a warm cache once failed: `torch.ops.dsv41c` had no `mhc_pre`). So making
+    the passes registers the ops. In a fresh process: none registered before, all after."""
+    code = """
+import torch
+from dsv41c.passes.manager import build_pipeline
+ops = ("mhc_pre", "mhc_post_pre", "fp8_quant", "mxfp4_dequant", "sparse_attn_packed", "index_scores")
+before = [hasattr(torch.ops.dsv41c, op) for op in ops]
+build_pipeline(["lower_mhc", "fp4_kv", "lower_indexer", "lower_sparse_attn"])
+print(before, [hasattr(torch.ops.dsv41c, op) for op in ops])
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[-2] == f"{[False] * 6} {[True] * 6}", proc.stdout
 
 
 def test_unknown_pass_is_an_error():
