@@ -2,7 +2,7 @@
 tiny's first four layers at bench.json's widths (a cut that compiles in one to two minutes on an
 H200 host; `benchmarks/compile.py --variants ...+cudagraphs` times the whole bench.json model).
 
-    python3 benchmarks/cudagraphs.py [--batch 1] [--steps 24] [--json OUT.json]
+    python3 benchmarks/cudagraphs.py [--batch 1] [--steps 24] [--graph-concatenations] [--json OUT.json]
 
 Every pass, bf16, kv_quant; an eager prefill of 40 tokens, then `--steps` compiled decode steps on
 the same tokens both ways. Prints, per variant: the first pass (compiles included), ms per step
@@ -10,8 +10,10 @@ the same tokens both ways. Prints, per variant: the first pass (compiles include
 cudaLaunchKernel: aten; cudaGraphLaunch: one per graphed partition) and the device kernels per step
 (torch.profiler over 4 steps), the relative max-abs distance of each step's logits from eager, and
 the graphed variant's partitions (CUDA graph trees functions) and re-recordings (must stay none:
-a partition that took the position would record again at every step). Then, per step, the two
-variants' distance, the sequences more than 2e-2 apart and the sequences whose greedy token differs.
+a partition that took the position would record again at every step). Then, per step, each graphed
+variant's distance from the one without graphs, the sequences more than 2e-2 apart and the
+sequences whose greedy token differs. --graph-concatenations adds a graphed variant with
+`dsv41c.compiler.GRAPH_CONCATENATIONS` on (concatenations graphed whole where they can be).
 """
 from __future__ import annotations
 
@@ -22,8 +24,10 @@ import time
 from pathlib import Path
 
 import torch
+from torch._inductor import cudagraph_trees
 
 import dsv41c
+from dsv41c import compiler
 from dsv41c.golden import relative_error
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -39,6 +43,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--graph-concatenations", action="store_true",
+                    help="also the variant with dsv41c.compiler.GRAPH_CONCATENATIONS on")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("cudagraphs.py: needs a CUDA device")
@@ -78,8 +84,11 @@ def main() -> None:
     record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "batch": a.batch,
               "steps": a.steps, "variants": {}}
     logits = {}
-    for name, graphs in (("cudagraphs", True), ("plain", False)):
+    variants = [("cudagraphs", True, False)] + [("cudagraphs+cats", True, True)] * a.graph_concatenations
+    for name, graphs, cats in (*variants, ("plain", False, False)):
         torch._dynamo.reset()
+        cudagraph_trees.reset_cudagraph_trees()
+        compiler.GRAPH_CONCATENATIONS = cats
         compiled = dsv41c.compile(model, PASSES, cudagraphs=graphs)
         t0 = time.perf_counter()
         logits[name], _ = decode(compiled, keep=True)
@@ -88,27 +97,25 @@ def main() -> None:
                "launches_per_step": launches(compiled),
                "err_vs_eager": [round(relative_error(x, y), 5) for x, y in zip(logits[name], eager, strict=True)]}
         if graphs:
-            from torch._inductor import cudagraph_trees
             manager = cudagraph_trees.get_container(torch.cuda.current_device()).tree_manager
             row["partitions_graphed"] = len(manager.ids_to_funcs)
             row["rerecords"] = sum(n for per_node in manager.num_rerecord.values() for n in per_node.values())
         record["variants"][name] = row
         print(name, json.dumps(row), flush=True)
-    record["cudagraphs_vs_plain"] = [round(relative_error(x, y), 5)
-                                     for x, y in zip(logits["cudagraphs"], logits["plain"], strict=True)]
-    # A bf16 near-tie (routing, index scores) flips single sequences; a wrong graph replay would
-    # move every sequence. Per step: the sequences apart by more than 2e-2 of the step's logit
-    # scale, and those whose greedy token differs.
-    record["sequences_apart"] = [int(((x - y).abs().amax(-1) > 2e-2 * y.abs().max()).sum())
-                                 for x, y in zip(logits["cudagraphs"], logits["plain"], strict=True)]
-    record["greedy_differs"] = [int((x.argmax(-1) != y.argmax(-1)).sum())
-                                for x, y in zip(logits["cudagraphs"], logits["plain"], strict=True)]
-    print("cudagraphs vs plain, per step:", record["cudagraphs_vs_plain"])
-    print(f"sequences apart (of {a.batch}):", record["sequences_apart"])
-    print("greedy tokens that differ:", record["greedy_differs"])
     v = record["variants"]
-    print(f"ms per step: cudagraphs {v['cudagraphs']['ms_per_step']:.2f}, plain {v['plain']['ms_per_step']:.2f} "
-          f"({v['plain']['ms_per_step'] / v['cudagraphs']['ms_per_step']:.2f}x)")
+    for name, _, _ in variants:
+        pairs = list(zip(logits[name], logits["plain"], strict=True))
+        # A bf16 near-tie (routing, index scores) flips single sequences; a wrong graph replay would
+        # move every sequence. Per step: the distance, the sequences apart by more than 2e-2 of the
+        # step's logit scale, and those whose greedy token differs.
+        v[name]["vs_plain"] = [round(relative_error(x, y), 5) for x, y in pairs]
+        v[name]["sequences_apart"] = [int(((x - y).abs().amax(-1) > 2e-2 * y.abs().max()).sum()) for x, y in pairs]
+        v[name]["greedy_differs"] = [int((x.argmax(-1) != y.argmax(-1)).sum()) for x, y in pairs]
+        print(f"{name} vs plain, per step:", v[name]["vs_plain"])
+        print(f"  sequences apart (of {a.batch}):", v[name]["sequences_apart"])
+        print("  greedy tokens that differ:", v[name]["greedy_differs"])
+        print(f"  ms per step: {name} {v[name]['ms_per_step']:.2f}, plain {v['plain']['ms_per_step']:.2f} "
+              f"({v['plain']['ms_per_step'] / v[name]['ms_per_step']:.2f}x)")
     if a.json:
         Path(a.json).write_text(json.dumps(record, indent=1))
 

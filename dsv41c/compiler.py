@@ -123,6 +123,10 @@ CUDAGRAPH_OPTIONS = {"triton.cudagraphs": True, "graph_partition": True,
                      "triton.cudagraph_skip_dynamic_graphs": True,
                      "triton.reorder_for_reducing_graph_partitions": False}
 _DYNAMIC = "dynamic shape ops"  # Inductor's partition reason for a node that uses a symbol
+# Switch (experimental, off: the rule measured on an H200 keeps every concatenation out of the
+# graphs): graph a concatenation with the kernels that write its pieces when none of them, and no
+# node scheduled between the first and the last of them, stays out (`partition_on_shape_symbols`).
+GRAPH_CONCATENATIONS = False
 
 
 class PartitionRuleKey(CustomGraphPass):
@@ -134,7 +138,7 @@ class PartitionRuleKey(CustomGraphPass):
         pass
 
     def uuid(self) -> bytes:
-        return get_hash_for_files((__file__,))
+        return get_hash_for_files((__file__,)) + bytes([GRAPH_CONCATENATIONS])
 
 
 @contextlib.contextmanager
@@ -182,8 +186,52 @@ def partition_on_shape_symbols() -> Iterator[None]:
     def should_partition(self, node):
         reason = inner(self, node)  # (a fused node: this function on each of its nodes)
         if reason in (None, _DYNAMIC) and not isinstance(node, FusedSchedulerNode) and writes_another_buffer(node):
-            return "writes into another buffer"
+            if not (GRAPH_CONCATENATIONS and in_a_graphed_group(self, node)):
+                return "writes into another buffer"
+            reason = None
         return None if reason == _DYNAMIC and not uses_shape_symbol(node) else reason
+
+    plans: dict = {}
+
+    def in_a_graphed_group(self, node) -> bool:
+        """GRAPH_CONCATENATIONS: node belongs to a concatenation group (the ConcatKernel and the
+        kernels writing into its buffer) that may be graphed as a whole, in one partition."""
+        names = (id(self), *(n.get_name() for n in self.nodes))
+        if plans.get("names") != names:
+            plans.update(names=names, graphed=graphed_groups(self))
+        return node.get_name() in plans["graphed"]
+
+    def graphed_groups(self) -> set:
+        """Names of the scheduler nodes of the concatenation groups that can be graphed: no member is
+        kept out for another reason, and no node between the first and the last member in the
+        schedule is kept out (so one partition holds the buffer and every write into it)."""
+        at, groups, cats, out = {}, {}, set(), set()   # groups: the buffer written into -> node names
+        for i, top in enumerate(self.nodes):
+            for n in top.get_nodes():
+                at[n.get_name()] = i
+                layout = getattr(n.node, "layout", None)
+                if isinstance(n.node, ir.ConcatKernel):
+                    cats.add(n.node.get_name())
+                    groups.setdefault(n.node.get_name(), set()).add(n.get_name())
+                elif isinstance(layout, ir.NonOwningLayout) and isinstance(layout.view, ir.ReinterpretView):
+                    groups.setdefault(layout.view.data.get_name(), set()).add(n.get_name())
+                elif isinstance(layout, ir.MutationLayoutSHOULDREMOVE) or any(
+                        dep.name in V.graph.graph_inputs for dep in n.read_writes.writes):
+                    out.add(i)
+                    continue
+                reason = inner(self, n)
+                if reason is not None and not (reason == _DYNAMIC and not uses_shape_symbol(n)):
+                    out.add(i)
+        graphed = {name: {at[m] for m in groups[name]} for name in cats}
+        changed = True
+        while changed:                           # a group kept out can fall inside another's span
+            changed = False
+            for name, spots in list(graphed.items()):
+                if any(i in out for i in range(min(spots), max(spots) + 1)):
+                    out |= spots
+                    del graphed[name]
+                    changed = True
+        return {m for name in graphed for m in groups[name]}
     Scheduler.should_partition = should_partition
     try:
         yield

@@ -113,13 +113,15 @@ def test_a_call_past_the_recompile_limit_is_an_input_error():
         torch._dynamo.reset()
 
 
-def test_the_decode_partitions_of_cudagraphs_keep_the_logits(monkeypatch):
+@pytest.mark.parametrize("graph_concatenations", [False, True], ids=["cats_kept_out", "cats_graphed"])
+def test_the_decode_partitions_of_cudagraphs_keep_the_logits(monkeypatch, graph_concatenations):
     """`cudagraphs=True` splits the decode graph into partitions (compiler.partition_on_shape_symbols).
     Emulated on the CPU: Inductor partitions CPU nodes as it would CUDA ones, and each partition it
     would record as a CUDA graph runs as a plain function. Every pass, tiny's first four layers in
     bf16 with kv_quant, prefill then 3 decode steps: over a dozen partitions, and the decode within
     the bf16 bound of eager bf16 (0.006-0.012 measured; the unpartitioned compile is the same). With
-    concatenations split between partitions it was 0.27-0.46 (fp32 did not show that split)."""
+    concatenations split between partitions it was 0.27-0.46 (fp32 did not show that split); with
+    `GRAPH_CONCATENATIONS` a concatenation is graphed whole, in one partition, or not at all."""
     from torch._inductor.scheduler import BaseSchedulerNode
     from torch._inductor.utils import set_customized_partition_wrappers
 
@@ -129,6 +131,7 @@ def test_the_decode_partitions_of_cudagraphs_keep_the_logits(monkeypatch):
     set_customized_partition_wrappers(lambda fn, meta: partitions.append(meta) or fn)
     try:
         monkeypatch.setattr(BaseSchedulerNode, "is_gpu", lambda self: True)
+        monkeypatch.setattr(compiler, "GRAPH_CONCATENATIONS", graph_concatenations)
         monkeypatch.setattr(compiler, "CUDAGRAPH_OPTIONS",
                             {k: v for k, v in compiler.CUDAGRAPH_OPTIONS.items() if k != "triton.cudagraphs"})
         args = first_four_args()
@@ -146,9 +149,9 @@ def test_the_decode_partitions_of_cudagraphs_keep_the_logits(monkeypatch):
     finally:
         set_customized_partition_wrappers(None)
         torch._dynamo.reset()
-    assert len(partitions) >= 12, len(partitions)
     for got, want in zip(steps["partitioned"], steps["eager"], strict=True):
         assert golden.relative_error(got.float(), want.float()) <= 2e-2, golden.relative_error(got.float(), want.float())
+    assert len(partitions) >= 12, len(partitions)
 
 
 def test_cpp_wrapper_without_a_grouped_mm_shim_traces_the_opaque_grouped_mm(monkeypatch):
