@@ -2,7 +2,8 @@
 tiny's first four layers at bench.json's widths (a cut that compiles in one to two minutes on an
 H200 host; `benchmarks/compile.py --variants ...+cudagraphs` times the whole bench.json model).
 
-    python3 benchmarks/cudagraphs.py [--batch 1] [--steps 24] [--graph-concatenations] [--json OUT.json]
+    python3 benchmarks/cudagraphs.py [--batch 1] [--steps 24] [--graph-concatenations] [--dynamic-batch]
+                                     [--json OUT.json]
 
 Every pass, bf16, kv_quant; an eager prefill of 40 tokens, then `--steps` compiled decode steps on
 the same tokens both ways. Prints, per variant: the first pass (compiles included), ms per step
@@ -13,7 +14,9 @@ the graphed variant's partitions (CUDA graph trees functions) and re-recordings 
 a partition that took the position would record again at every step). Then, per step, each graphed
 variant's distance from the one without graphs, the sequences more than 2e-2 apart and the
 sequences whose greedy token differs. --graph-concatenations adds a graphed variant with
-`dsv41c.compiler.GRAPH_CONCATENATIONS` on (concatenations graphed whole where they can be).
+`dsv41c.compiler.GRAPH_CONCATENATIONS` on (concatenations graphed whole where they can be),
+--dynamic-batch one with `dsv41c.compiler.DYNAMIC_BATCH` on (one decode graph for every batch size
+above 1; at --batch 1 Dynamo specialises the batch anyway).
 """
 from __future__ import annotations
 
@@ -45,6 +48,8 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--graph-concatenations", action="store_true",
                     help="also the variant with dsv41c.compiler.GRAPH_CONCATENATIONS on")
+    ap.add_argument("--dynamic-batch", action="store_true",
+                    help="also the variant with dsv41c.compiler.DYNAMIC_BATCH on")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("cudagraphs.py: needs a CUDA device")
@@ -84,11 +89,12 @@ def main() -> None:
     record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "batch": a.batch,
               "steps": a.steps, "variants": {}}
     logits = {}
-    variants = [("cudagraphs", True, False)] + [("cudagraphs+cats", True, True)] * a.graph_concatenations
-    for name, graphs, cats in (*variants, ("plain", False, False)):
+    variants = ([("cudagraphs", True, False, False)] + [("cudagraphs+cats", True, True, False)] * a.graph_concatenations
+                + [("cudagraphs+dynamic_batch", True, False, True)] * a.dynamic_batch)
+    for name, graphs, cats, dynamic in (*variants, ("plain", False, False, False)):
         torch._dynamo.reset()
         cudagraph_trees.reset_cudagraph_trees()
-        compiler.GRAPH_CONCATENATIONS = cats
+        compiler.GRAPH_CONCATENATIONS, compiler.DYNAMIC_BATCH = cats, dynamic
         compiled = dsv41c.compile(model, PASSES, cudagraphs=graphs)
         t0 = time.perf_counter()
         logits[name], _ = decode(compiled, keep=True)
@@ -103,7 +109,7 @@ def main() -> None:
         record["variants"][name] = row
         print(name, json.dumps(row), flush=True)
     v = record["variants"]
-    for name, _, _ in variants:
+    for name, *_ in variants:
         pairs = list(zip(logits[name], logits["plain"], strict=True))
         # A bf16 near-tie (routing, index scores) flips single sequences; a wrong graph replay would
         # move every sequence. Per step: the distance, the sequences apart by more than 2e-2 of the

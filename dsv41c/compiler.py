@@ -127,6 +127,11 @@ _DYNAMIC = "dynamic shape ops"  # Inductor's partition reason for a node that us
 # graphs): graph a concatenation with the kernels that write its pieces when none of them, and no
 # node scheduled between the first and the last of them, stays out (`partition_on_shape_symbols`).
 GRAPH_CONCATENATIONS = False
+# Switch (experimental, off: the batch is static in the decode graph, one compile per batch size):
+# keep the decode graph's batch symbolic, one compile for every batch size above 1, and let the rule
+# graph nodes whose only symbols are the batch's (the sizes of the graph's tensor inputs); the CUDA
+# graph trees then record each partition once per batch size.
+DYNAMIC_BATCH = False
 
 
 class PartitionRuleKey(CustomGraphPass):
@@ -138,7 +143,7 @@ class PartitionRuleKey(CustomGraphPass):
         pass
 
     def uuid(self) -> bytes:
-        return get_hash_for_files((__file__,)) + bytes([GRAPH_CONCATENATIONS])
+        return get_hash_for_files((__file__,)) + bytes([GRAPH_CONCATENATIONS, DYNAMIC_BATCH])
 
 
 @contextlib.contextmanager
@@ -174,7 +179,19 @@ def partition_on_shape_symbols() -> Iterator[None]:
         body = getattr(node, "_body", None)
         for expr in getattr(body, "indexing_exprs", {}).values():
             syms |= expr.free_symbols
+        if DYNAMIC_BATCH:
+            syms -= batch_symbols()
         return any(symbol_is_type(s, shape) for s in syms)
+
+    def batch_symbols() -> set:
+        """DYNAMIC_BATCH: the symbols in the sizes and strides of the graph's tensor inputs (the
+        decode ids' batch; the caches' shapes are static)."""
+        found = set()
+        for value in V.graph.graph_inputs.values():
+            if isinstance(value, ir.IRNode):
+                for expr in (*value.get_size(), *(value.maybe_get_stride() or ())):
+                    found |= getattr(expr, "free_symbols", set())
+        return found
 
     def writes_another_buffer(node) -> bool:
         ir_node = node.node
@@ -435,11 +452,12 @@ class CompiledModel:
         input_ids = input_ids.to(self.model.device)            # host ids: copied here, not inside the graph
         graphed = self.cudagraphs and input_ids.shape[1] == 1
         if graphed:
-            # the batch is static in the decode graph, so only the position's ops have symbolic
-            # shapes (marked on a view: the caller's tensor stays unmarked); each call is a new
-            # step of the CUDA graph trees
-            input_ids = input_ids.view(input_ids.shape)
-            torch._dynamo.mark_static(input_ids)
+            # the batch is static in the decode graph (unless DYNAMIC_BATCH), so only the position's
+            # ops have symbolic shapes (marked on a view: the caller's tensor stays unmarked); each
+            # call is a new step of the CUDA graph trees
+            if not DYNAMIC_BATCH:
+                input_ids = input_ids.view(input_ids.shape)
+                torch._dynamo.mark_static(input_ids)
             torch.compiler.cudagraph_mark_step_begin()
         t0, graphs = time.perf_counter(), self.graphs
         with torch.no_grad(), \
@@ -456,7 +474,8 @@ class CompiledModel:
                     f"of the model's forward, which has reached torch._dynamo.config.recompile_limit "
                     f"({torch._dynamo.config.recompile_limit} graphs)"
                     + ("; with cudagraphs=True each decode batch size is a graph of its own: use fewer batch "
-                       "sizes, raise the limit, or compile without cudagraphs" if graphed else "")) from e
+                       "sizes, raise the limit, or compile without cudagraphs"
+                       if graphed and not DYNAMIC_BATCH else "")) from e
         if self.graphs != graphs:
             self.compile_seconds += time.perf_counter() - t0
         if graphed:  # a graph's outputs live in its memory pool, which the next step overwrites

@@ -5,6 +5,7 @@ golden replay through passes_only compiles a few graphs per file), so they are o
 `pytest -m slow tests/test_compile.py`. The fast CI proof of the passes is in test_passes.py. One
 compile runs in CI: a four-layer cut in bf16 against eager and the fp32 twin (about two minutes).
 """
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -152,6 +153,50 @@ def test_the_decode_partitions_of_cudagraphs_keep_the_logits(monkeypatch, graph_
     for got, want in zip(steps["partitioned"], steps["eager"], strict=True):
         assert golden.relative_error(got.float(), want.float()) <= 2e-2, golden.relative_error(got.float(), want.float())
     assert len(partitions) >= 12, len(partitions)
+
+
+def test_dynamic_batch_partitions_compile_once_for_two_batch_sizes(monkeypatch):
+    """`DYNAMIC_BATCH` (experimental): the decode graph keeps its batch symbolic and the partition
+    rule graphs nodes whose only symbols are the batch's. In the CPU emulation of the test above
+    (every pass, bf16, kv_quant): decode steps at batch 2 then 3 compile one graph, partitioned into
+    graphable runs, and stay within the bf16 bound of eager. (The emulation needs Inductor's
+    `loop_ordering_after_fusion` off at batch > 1: its C++ code generation fails otherwise, with
+    Inductor's own partition rule too.)"""
+    from torch._inductor.scheduler import BaseSchedulerNode
+    from torch._inductor.utils import set_customized_partition_wrappers
+
+    from dsv41c import compiler
+    torch._dynamo.reset()
+    partitions = []
+    set_customized_partition_wrappers(lambda fn, meta: partitions.append(meta) or fn)
+    try:
+        monkeypatch.setattr(BaseSchedulerNode, "is_gpu", lambda self: True)
+        monkeypatch.setattr(compiler, "DYNAMIC_BATCH", True)
+        monkeypatch.setattr(torch._inductor.config, "loop_ordering_after_fusion", False)
+        monkeypatch.setattr(compiler, "CUDAGRAPH_OPTIONS",
+                            {k: v for k, v in compiler.CUDAGRAPH_OPTIONS.items() if k != "triton.cudagraphs"})
+        args = dataclasses.replace(first_four_args(), max_batch_size=3)
+        model = dsv41c.build_model(args, seed=0, dtype=torch.bfloat16, kv_quant=True)
+        compiled = dsv41c_compile(model, ("fuse_wqa_wkv", "lower_mhc", "fp4_kv", "lower_indexer", "lower_sparse_attn"))
+        compiled.cudagraphs = True              # (the constructor refuses a CPU model)
+        gen = torch.Generator().manual_seed(0)
+        errs = []
+        for batch in (2, 3):
+            prompt = torch.randint(0, args.vocab_size, (batch, 40), generator=gen)
+            tokens = [torch.randint(0, args.vocab_size, (batch, 1), generator=gen) for _ in range(2)]
+            steps = {}
+            for name, fn in (("eager", model), ("partitioned", compiled)):
+                model.reset_cache()
+                model(prompt, 0)
+                steps[name] = [fn(t, 40 + i) for i, t in enumerate(tokens)]
+            errs += [golden.relative_error(a.float(), b.float())
+                     for a, b in zip(steps["partitioned"], steps["eager"], strict=True)]
+    finally:
+        set_customized_partition_wrappers(None)
+        torch._dynamo.reset()
+    assert max(errs) <= 2e-2, errs
+    assert compiled.graphs == 1, compiled.graphs
+    assert len(partitions) >= 24, len(partitions)  # 36; 13 when the batch's symbol counts as dynamic
 
 
 def test_cpp_wrapper_without_a_grouped_mm_shim_traces_the_opaque_grouped_mm(monkeypatch):
