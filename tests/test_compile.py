@@ -114,86 +114,81 @@ def test_a_call_past_the_recompile_limit_is_an_input_error():
         torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("graph_concatenations", [False, True], ids=["cats_kept_out", "cats_graphed"])
-def test_the_decode_partitions_of_cudagraphs_keep_the_logits(monkeypatch, graph_concatenations):
-    """`cudagraphs=True` splits the decode graph into partitions (compiler.partition_on_shape_symbols).
-    Emulated on the CPU: Inductor partitions CPU nodes as it would CUDA ones, and each partition it
-    would record as a CUDA graph runs as a plain function. Every pass, tiny's first four layers in
-    bf16 with kv_quant, prefill then 3 decode steps: over a dozen partitions, and the decode within
-    the bf16 bound of eager bf16 (0.006-0.012 measured; the unpartitioned compile is the same). With
-    concatenations split between partitions it was 0.27-0.46 (fp32 did not show that split); with
-    `GRAPH_CONCATENATIONS` a concatenation is graphed whole, in one partition, or not at all."""
+EVERY_PASS = ("fuse_wqa_wkv", "lower_mhc", "fp4_kv", "lower_indexer", "lower_sparse_attn")
+
+
+@pytest.fixture
+def emulated_cudagraphs(monkeypatch):
+    """The CPU emulation of `cudagraphs=True`: Inductor partitions CPU nodes as it would CUDA ones
+    when the nodes count as GPU nodes and a partition wrapper is registered, and each partition it
+    would record as a CUDA graph runs as a plain function. Yields (compile, partitions): compile(model)
+    is dsv41c.compile with every pass and graphs on; partitions lists the wrapped partitions. Needs
+    Inductor's `loop_ordering_after_fusion` off at a batch above 1 (its C++ code generation fails
+    there otherwise, with Inductor's own partition rule too)."""
     from torch._inductor.scheduler import BaseSchedulerNode
     from torch._inductor.utils import set_customized_partition_wrappers
 
     from dsv41c import compiler
-    torch._dynamo.reset()
+    monkeypatch.setattr(BaseSchedulerNode, "is_gpu", lambda self: True)
+    monkeypatch.setattr(compiler, "CUDAGRAPH_OPTIONS",
+                        {k: v for k, v in compiler.CUDAGRAPH_OPTIONS.items() if k != "triton.cudagraphs"})
+
+    def compile_graphed(model):
+        compiled = dsv41c_compile(model, EVERY_PASS)
+        compiled.cudagraphs = True              # (the constructor refuses a CPU model)
+        return compiled
+
     partitions = []
+    torch._dynamo.reset()
     set_customized_partition_wrappers(lambda fn, meta: partitions.append(meta) or fn)
     try:
-        monkeypatch.setattr(BaseSchedulerNode, "is_gpu", lambda self: True)
-        monkeypatch.setattr(compiler, "GRAPH_CONCATENATIONS", graph_concatenations)
-        monkeypatch.setattr(compiler, "CUDAGRAPH_OPTIONS",
-                            {k: v for k, v in compiler.CUDAGRAPH_OPTIONS.items() if k != "triton.cudagraphs"})
-        args = first_four_args()
-        model = dsv41c.build_model(args, seed=0, dtype=torch.bfloat16, kv_quant=True)
-        compiled = dsv41c_compile(model, ("fuse_wqa_wkv", "lower_mhc", "fp4_kv", "lower_indexer", "lower_sparse_attn"))
-        compiled.cudagraphs = True              # (the constructor refuses a CPU model)
-        gen = torch.Generator().manual_seed(0)
-        prompt = torch.randint(0, args.vocab_size, (1, 40), generator=gen)
-        tokens = torch.randint(0, args.vocab_size, (3, 1, 1), generator=gen)
-        steps = {}
-        for name, fn in (("eager", model), ("partitioned", compiled)):
-            model.reset_cache()
-            model(prompt, 0)
-            steps[name] = [fn(t, 40 + i) for i, t in enumerate(tokens)]
+        with torch._inductor.config.patch(loop_ordering_after_fusion=False):
+            yield compile_graphed, partitions
     finally:
         set_customized_partition_wrappers(None)
         torch._dynamo.reset()
-    for got, want in zip(steps["partitioned"], steps["eager"], strict=True):
-        assert golden.relative_error(got.float(), want.float()) <= 2e-2, golden.relative_error(got.float(), want.float())
+
+
+def decode_errors(model, fn, batch, steps, gen):
+    """Relative errors of `steps` decode steps of fn against eager, after the same eager prefill of 40."""
+    prompt = torch.randint(0, model.args.vocab_size, (batch, 40), generator=gen)
+    tokens = [torch.randint(0, model.args.vocab_size, (batch, 1), generator=gen) for _ in range(steps)]
+    out = {}
+    for name, f in (("eager", model), ("compiled", fn)):
+        model.reset_cache()
+        model(prompt, 0)
+        out[name] = [f(t, 40 + i).float() for i, t in enumerate(tokens)]
+    return [golden.relative_error(a, b) for a, b in zip(out["compiled"], out["eager"], strict=True)]
+
+
+@pytest.mark.parametrize("graph_concatenations", [False, True], ids=["cats_kept_out", "cats_graphed"])
+def test_the_decode_partitions_of_cudagraphs_keep_the_logits(monkeypatch, emulated_cudagraphs, graph_concatenations):
+    """`cudagraphs=True` splits the decode graph into partitions (compiler.partition_on_shape_symbols),
+    emulated on the CPU. Every pass, tiny's first four layers in bf16 with kv_quant, prefill then 3
+    decode steps: over a dozen partitions, and the decode within the bf16 bound of eager bf16
+    (0.006-0.012 measured; the unpartitioned compile is the same). With concatenations split between
+    partitions it was 0.27-0.46 (fp32 did not show that split); with `GRAPH_CONCATENATIONS` a
+    concatenation is graphed whole, in one partition, or not at all."""
+    from dsv41c import compiler
+    compile_graphed, partitions = emulated_cudagraphs
+    monkeypatch.setattr(compiler, "GRAPH_CONCATENATIONS", graph_concatenations)
+    model = dsv41c.build_model(first_four_args(), seed=0, dtype=torch.bfloat16, kv_quant=True)
+    errs = decode_errors(model, compile_graphed(model), 1, 3, torch.Generator().manual_seed(0))
+    assert max(errs) <= 2e-2, errs
     assert len(partitions) >= 12, len(partitions)
 
 
-def test_dynamic_batch_partitions_compile_once_for_two_batch_sizes(monkeypatch):
+def test_dynamic_batch_partitions_compile_once_for_two_batch_sizes(monkeypatch, emulated_cudagraphs):
     """`DYNAMIC_BATCH` (experimental): the decode graph keeps its batch symbolic and the partition
-    rule graphs nodes whose only symbols are the batch's. In the CPU emulation of the test above
-    (every pass, bf16, kv_quant): decode steps at batch 2 then 3 compile one graph, partitioned into
-    graphable runs, and stay within the bf16 bound of eager. (The emulation needs Inductor's
-    `loop_ordering_after_fusion` off at batch > 1: its C++ code generation fails otherwise, with
-    Inductor's own partition rule too.)"""
-    from torch._inductor.scheduler import BaseSchedulerNode
-    from torch._inductor.utils import set_customized_partition_wrappers
-
+    rule graphs nodes whose only symbols are the batch's. Emulated as above: decode steps at batch
+    2 then 3 compile one graph, partitioned into graphable runs, within the bf16 bound of eager."""
     from dsv41c import compiler
-    torch._dynamo.reset()
-    partitions = []
-    set_customized_partition_wrappers(lambda fn, meta: partitions.append(meta) or fn)
-    try:
-        monkeypatch.setattr(BaseSchedulerNode, "is_gpu", lambda self: True)
-        monkeypatch.setattr(compiler, "DYNAMIC_BATCH", True)
-        monkeypatch.setattr(torch._inductor.config, "loop_ordering_after_fusion", False)
-        monkeypatch.setattr(compiler, "CUDAGRAPH_OPTIONS",
-                            {k: v for k, v in compiler.CUDAGRAPH_OPTIONS.items() if k != "triton.cudagraphs"})
-        args = dataclasses.replace(first_four_args(), max_batch_size=3)
-        model = dsv41c.build_model(args, seed=0, dtype=torch.bfloat16, kv_quant=True)
-        compiled = dsv41c_compile(model, ("fuse_wqa_wkv", "lower_mhc", "fp4_kv", "lower_indexer", "lower_sparse_attn"))
-        compiled.cudagraphs = True              # (the constructor refuses a CPU model)
-        gen = torch.Generator().manual_seed(0)
-        errs = []
-        for batch in (2, 3):
-            prompt = torch.randint(0, args.vocab_size, (batch, 40), generator=gen)
-            tokens = [torch.randint(0, args.vocab_size, (batch, 1), generator=gen) for _ in range(2)]
-            steps = {}
-            for name, fn in (("eager", model), ("partitioned", compiled)):
-                model.reset_cache()
-                model(prompt, 0)
-                steps[name] = [fn(t, 40 + i) for i, t in enumerate(tokens)]
-            errs += [golden.relative_error(a.float(), b.float())
-                     for a, b in zip(steps["partitioned"], steps["eager"], strict=True)]
-    finally:
-        set_customized_partition_wrappers(None)
-        torch._dynamo.reset()
+    compile_graphed, partitions = emulated_cudagraphs
+    monkeypatch.setattr(compiler, "DYNAMIC_BATCH", True)
+    model = dsv41c.build_model(dataclasses.replace(first_four_args(), max_batch_size=3), seed=0,
+                               dtype=torch.bfloat16, kv_quant=True)
+    compiled, gen = compile_graphed(model), torch.Generator().manual_seed(0)
+    errs = decode_errors(model, compiled, 2, 2, gen) + decode_errors(model, compiled, 3, 2, gen)
     assert max(errs) <= 2e-2, errs
     assert compiled.graphs == 1, compiled.graphs
     assert len(partitions) >= 24, len(partitions)  # 36; 13 when the batch's symbol counts as dynamic
