@@ -34,9 +34,8 @@ from dsv41c import compiler
 from dsv41c.golden import relative_error
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from conftest import first_four_args  # noqa: E402  (the cut the GPU tests use)
+from conftest import EVERY_PASS, first_four_args  # noqa: E402  (the cut and passes the GPU tests use)
 
-PASSES = ("fuse_wqa_wkv", "lower_mhc", "fp4_kv", "lower_indexer", "lower_sparse_attn")
 PROMPT = 40
 LAUNCH_APIS = ("cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernel", "cudaGraphLaunch")
 
@@ -95,7 +94,7 @@ def main() -> None:
         torch._dynamo.reset()
         cudagraph_trees.reset_cudagraph_trees()
         compiler.GRAPH_CONCATENATIONS, compiler.DYNAMIC_BATCH = cats, dynamic
-        compiled = dsv41c.compile(model, PASSES, cudagraphs=graphs)
+        compiled = dsv41c.compile(model, EVERY_PASS, cudagraphs=graphs)
         t0 = time.perf_counter()
         logits[name], _ = decode(compiled, keep=True)
         row = {"first_pass_s": time.perf_counter() - t0,

@@ -183,15 +183,19 @@ def partition_on_shape_symbols() -> Iterator[None]:
             syms -= batch_symbols()
         return any(symbol_is_type(s, shape) for s in syms)
 
+    batch: dict = {}
+
     def batch_symbols() -> set:
         """DYNAMIC_BATCH: the symbols in the sizes and strides of the graph's tensor inputs (the
-        decode ids' batch; the caches' shapes are static)."""
-        found = set()
-        for value in V.graph.graph_inputs.values():
-            if isinstance(value, ir.IRNode):
-                for expr in (*value.get_size(), *(value.maybe_get_stride() or ())):
-                    found |= getattr(expr, "free_symbols", set())
-        return found
+        decode ids' batch; the caches' shapes are static), once per graph."""
+        if batch.get("graph") is not V.graph:
+            found = set()
+            for value in V.graph.graph_inputs.values():
+                if isinstance(value, ir.IRNode):
+                    for expr in (*value.get_size(), *(value.maybe_get_stride() or ())):
+                        found |= getattr(expr, "free_symbols", set())
+            batch.update(graph=V.graph, symbols=found)
+        return batch["symbols"]
 
     def writes_another_buffer(node) -> bool:
         ir_node = node.node

@@ -44,6 +44,8 @@ def record_tiny_cut(root: pathlib.Path, name: str, decode_steps: int, **override
 THREE_KINDS = dict(n_layers=3, n_mtp_layers=0, compress_ratios=[1, 1, 1], kv_source_layers=[0],
                    index_source_layers=[0, 1], candidate_source_layer=0, n_routed_experts=2,
                    n_activated_experts=1, dspark_block_size=0, dspark_target_layer_ids=[])
+# every graph pass, in the order the compiled-model tests and benchmarks run them
+EVERY_PASS = ("fuse_wqa_wkv", "lower_mhc", "fp4_kv", "lower_indexer", "lower_sparse_attn")
 # tiny's first four layers, as tiny.json has them (its ratio-2 kv source and the layer reusing it,
 # an Engram layer)
 FIRST_FOUR = dict(n_layers=4, n_mtp_layers=0, compress_ratios=[0, 2, 2, 1], kv_source_layers=[1, 3],

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import first_four_args
+from conftest import EVERY_PASS, first_four_args
 
 import dsv41c
 from dsv41c import golden
@@ -112,9 +112,6 @@ def test_a_call_past_the_recompile_limit_is_an_input_error():
                 compiled(ids[:, :1], 6)                             # the decode step: a second graph
     finally:
         torch._dynamo.reset()
-
-
-EVERY_PASS = ("fuse_wqa_wkv", "lower_mhc", "fp4_kv", "lower_indexer", "lower_sparse_attn")
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import first_four_args
+from conftest import EVERY_PASS, first_four_args
 
 import dsv41c
 from dsv41c.generate import generate
@@ -137,10 +137,9 @@ def test_cudagraphs_decode_matches_the_plain_compile_and_replays_graphs():
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, args.vocab_size, (1, 40), generator=gen).cuda()
     tokens = torch.randint(0, args.vocab_size, (8, 1, 1), generator=gen).cuda()
-    passes = ("fuse_wqa_wkv", "lower_mhc", "fp4_kv", "lower_indexer", "lower_sparse_attn")
     runs, launches = {}, {}
     for graphs in (True, False):
-        compiled = dsv41c.compile(model, passes, cudagraphs=graphs)
+        compiled = dsv41c.compile(model, EVERY_PASS, cudagraphs=graphs)
         model.reset_cache()
         with torch.no_grad():
             model(prompt, 0)
