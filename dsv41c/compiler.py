@@ -113,25 +113,19 @@ PRECISION = {"emulate_precision_casts": True}
 # Inductor settings of a decode graph with `cudagraphs=True` (experimental). A decode step is
 # host-bound (hundreds of launches a step), and the position (a SymInt) sets the shapes of the
 # cache reads, so the step cannot be one CUDA graph (each position would record another). Inductor's
-# graph partitioning splits the step at every op whose shapes use a symbol: with the batch static
-# (the decode graph's ids are marked static), those are the position's ops (cache writes and reads,
-# RoPE, the indexer, sparse attention), which run as usual; the partitions between them (mHC, the
-# projections, the MoE, the head) are recorded once per batch size by the CUDA graph trees and
-# replayed. Inductor's own test of "uses a symbol" needs `partition_on_shape_symbols`. Partition
-# reordering is off: it was not needed to reach the partitioning measured (BENCHMARKS.md).
+# graph partitioning splits the step at every op whose shapes use the position: the cache writes
+# and reads, RoPE, the indexer and sparse attention, which run as usual; the partitions between them
+# (mHC, the projections, the MoE, the head) are recorded by the CUDA graph trees and replayed. The
+# batch stays symbolic, as in the compile without graphs (`dynamic=True`), so one decode graph serves
+# every batch size above 1 (Dynamo specialises batch 1) and the trees record each partition once per
+# batch size; the decode graph is the same as without graphs, and so are its logits (bit-identical
+# on an H200 at batch 32, BENCHMARKS.md). Inductor's own test of "uses a symbol" needs
+# `partition_on_shape_symbols`. Partition reordering is off: it was not needed to reach the
+# partitioning measured.
 CUDAGRAPH_OPTIONS = {"triton.cudagraphs": True, "graph_partition": True,
                      "triton.cudagraph_skip_dynamic_graphs": True,
                      "triton.reorder_for_reducing_graph_partitions": False}
 _DYNAMIC = "dynamic shape ops"  # Inductor's partition reason for a node that uses a symbol
-# Switch (experimental, off: the rule measured on an H200 keeps every concatenation out of the
-# graphs): graph a concatenation with the kernels that write its pieces when none of them, and no
-# node scheduled between the first and the last of them, stays out (`partition_on_shape_symbols`).
-GRAPH_CONCATENATIONS = False
-# Switch (experimental, off: the batch is static in the decode graph, one compile per batch size):
-# keep the decode graph's batch symbolic, one compile for every batch size above 1, and let the rule
-# graph nodes whose only symbols are the batch's (the sizes of the graph's tensor inputs); the CUDA
-# graph trees then record each partition once per batch size.
-DYNAMIC_BATCH = False
 
 
 class PartitionRuleKey(CustomGraphPass):
@@ -143,14 +137,14 @@ class PartitionRuleKey(CustomGraphPass):
         pass
 
     def uuid(self) -> bytes:
-        return get_hash_for_files((__file__,)) + bytes([GRAPH_CONCATENATIONS, DYNAMIC_BATCH])
+        return get_hash_for_files((__file__,))
 
 
 @contextlib.contextmanager
 def partition_on_shape_symbols() -> Iterator[None]:
     """While active, Inductor's graph partitioner takes a node as dynamic only if it uses a symbol
-    of the shape environment (a size or an unbacked value), and never graphs a node that writes into
-    another buffer's memory.
+    of the shape environment (a size or an unbacked value) other than the batch's, and graphs a node
+    that writes into another buffer's memory only as part of a whole concatenation group.
 
     Inductor (torch 2.11-2.13) counts a node's own loop index and temporary symbols (`d0`, `i0`,
     `tmp0`, ...) among its symbol uses, so nearly every computed buffer came out dynamic: on an H200,
@@ -158,8 +152,13 @@ def partition_on_shape_symbols() -> Iterator[None]:
     only (with those in the node's memory indexing, where an index_put's row from the position
     shows), a concatenation was split: its pieces are written straight into its buffer, which was
     then allocated on one side of a partition boundary and written on the other (wrong and NaN
-    logits). So a concatenation, the kernels that write its pieces, in-place mutations and writes to
-    graph inputs stay out of the graphs (BENCHMARKS.md, "CUDA graphs of the decode step")."""
+    logits). So in-place mutations and writes to graph inputs stay out of the graphs, and a
+    concatenation is graphed together with the kernels that write its pieces, in one partition, or
+    not at all (BENCHMARKS.md, "CUDA graphs of the decode step").
+
+    The batch's symbols (those in the sizes and strides of the graph's tensor inputs: the decode
+    ids; the caches' shapes are static) do not make a node dynamic: a CUDA graph tree records each
+    partition once per batch size."""
     from torch._inductor import ir
     from torch._inductor.dependencies import MemoryDep
     from torch._inductor.virtualized import V
@@ -179,15 +178,13 @@ def partition_on_shape_symbols() -> Iterator[None]:
         body = getattr(node, "_body", None)
         for expr in getattr(body, "indexing_exprs", {}).values():
             syms |= expr.free_symbols
-        if DYNAMIC_BATCH:
-            syms -= batch_symbols()
+        syms -= batch_symbols()
         return any(symbol_is_type(s, shape) for s in syms)
 
     batch: dict = {}
 
     def batch_symbols() -> set:
-        """DYNAMIC_BATCH: the symbols in the sizes and strides of the graph's tensor inputs (the
-        decode ids' batch; the caches' shapes are static), once per graph."""
+        """The symbols in the sizes and strides of the graph's tensor inputs, once per graph."""
         if batch.get("graph") is not V.graph:
             found = set()
             for value in V.graph.graph_inputs.values():
@@ -207,7 +204,7 @@ def partition_on_shape_symbols() -> Iterator[None]:
     def should_partition(self, node):
         reason = inner(self, node)  # (a fused node: this function on each of its nodes)
         if reason in (None, _DYNAMIC) and not isinstance(node, FusedSchedulerNode) and writes_another_buffer(node):
-            if not (GRAPH_CONCATENATIONS and in_a_graphed_group(self, node)):
+            if not in_a_graphed_group(self, node):
                 return "writes into another buffer"
             reason = None
         return None if reason == _DYNAMIC and not uses_shape_symbol(node) else reason
@@ -215,8 +212,8 @@ def partition_on_shape_symbols() -> Iterator[None]:
     plans: dict = {}
 
     def in_a_graphed_group(self, node) -> bool:
-        """GRAPH_CONCATENATIONS: node belongs to a concatenation group (the ConcatKernel and the
-        kernels writing into its buffer) that may be graphed as a whole, in one partition."""
+        """Whether node belongs to a concatenation group (the ConcatKernel and the kernels writing
+        into its buffer) that may be graphed as a whole, in one partition."""
         names = (id(self), *(n.get_name() for n in self.nodes))
         if plans.get("names") != names:
             plans.update(names=names, graphed=graphed_groups(self))
@@ -455,13 +452,7 @@ class CompiledModel:
         self.model.check_inputs(input_ids, start_pos)          # eager-side checks (Transformer.check_inputs)
         input_ids = input_ids.to(self.model.device)            # host ids: copied here, not inside the graph
         graphed = self.cudagraphs and input_ids.shape[1] == 1
-        if graphed:
-            # the batch is static in the decode graph (unless DYNAMIC_BATCH), so only the position's
-            # ops have symbolic shapes (marked on a view: the caller's tensor stays unmarked); each
-            # call is a new step of the CUDA graph trees
-            if not DYNAMIC_BATCH:
-                input_ids = input_ids.view(input_ids.shape)
-                torch._dynamo.mark_static(input_ids)
+        if graphed:                                            # each call is a new step of the CUDA graph trees
             torch.compiler.cudagraph_mark_step_begin()
         t0, graphs = time.perf_counter(), self.graphs
         with torch.no_grad(), \
@@ -476,10 +467,7 @@ class CompiledModel:
                 raise InputError(
                     f"dsv41c.compile: input_ids {tuple(input_ids.shape)} at start_pos {start_pos} needs a new graph "
                     f"of the model's forward, which has reached torch._dynamo.config.recompile_limit "
-                    f"({torch._dynamo.config.recompile_limit} graphs)"
-                    + ("; with cudagraphs=True each decode batch size is a graph of its own: use fewer batch "
-                       "sizes, raise the limit, or compile without cudagraphs"
-                       if graphed and not DYNAMIC_BATCH else "")) from e
+                    f"({torch._dynamo.config.recompile_limit} graphs)") from e
         if self.graphs != graphs:
             self.compile_seconds += time.perf_counter() - t0
         if graphed:  # a graph's outputs live in its memory pool, which the next step overwrites

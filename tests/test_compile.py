@@ -158,30 +158,27 @@ def decode_errors(model, fn, batch, steps, gen):
     return [golden.relative_error(a, b) for a, b in zip(out["compiled"], out["eager"], strict=True)]
 
 
-@pytest.mark.parametrize("graph_concatenations", [False, True], ids=["cats_kept_out", "cats_graphed"])
-def test_the_decode_partitions_of_cudagraphs_keep_the_logits(monkeypatch, emulated_cudagraphs, graph_concatenations):
+def test_the_decode_partitions_of_cudagraphs_keep_the_logits(emulated_cudagraphs):
     """`cudagraphs=True` splits the decode graph into partitions (compiler.partition_on_shape_symbols),
     emulated on the CPU. Every pass, tiny's first four layers in bf16 with kv_quant, prefill then 3
-    decode steps: over a dozen partitions, and the decode within the bf16 bound of eager bf16
-    (0.006-0.012 measured; the unpartitioned compile is the same). With concatenations split between
-    partitions it was 0.27-0.46 (fp32 did not show that split); with `GRAPH_CONCATENATIONS` a
-    concatenation is graphed whole, in one partition, or not at all."""
-    from dsv41c import compiler
+    decode steps: over a dozen partitions (32), and the decode within the bf16 bound of eager bf16
+    (0.006-0.012 measured; the unpartitioned compile is the same). With concatenations
+    split between partitions it was 0.27-0.46 (fp32 did not show that split); a concatenation is
+    graphed whole, in one partition, or not at all, and a rule that graphs every concatenation
+    group regardless (a mutation of `graphed_groups`) fails here."""
     compile_graphed, partitions = emulated_cudagraphs
-    monkeypatch.setattr(compiler, "GRAPH_CONCATENATIONS", graph_concatenations)
     model = dsv41c.build_model(first_four_args(), seed=0, dtype=torch.bfloat16, kv_quant=True)
     errs = decode_errors(model, compile_graphed(model), 1, 3, torch.Generator().manual_seed(0))
     assert max(errs) <= 2e-2, errs
     assert len(partitions) >= 12, len(partitions)
 
 
-def test_dynamic_batch_partitions_compile_once_for_two_batch_sizes(monkeypatch, emulated_cudagraphs):
-    """`DYNAMIC_BATCH` (experimental): the decode graph keeps its batch symbolic and the partition
-    rule graphs nodes whose only symbols are the batch's. Emulated as above: decode steps at batch
-    2 then 3 compile one graph, partitioned into graphable runs, within the bf16 bound of eager."""
-    from dsv41c import compiler
+def test_the_graphed_decode_compiles_once_for_two_batch_sizes(emulated_cudagraphs):
+    """The decode graph keeps its batch symbolic (`dynamic=True`, as without graphs) and the
+    partition rule graphs nodes whose only symbols are the batch's. Emulated as above: decode steps
+    at batch 2 then 3 compile one graph, partitioned into graphable runs, within the bf16 bound of
+    eager (equal to it, measured)."""
     compile_graphed, partitions = emulated_cudagraphs
-    monkeypatch.setattr(compiler, "DYNAMIC_BATCH", True)
     model = dsv41c.build_model(dataclasses.replace(first_four_args(), max_batch_size=3), seed=0,
                                dtype=torch.bfloat16, kv_quant=True)
     compiled, gen = compile_graphed(model), torch.Generator().manual_seed(0)

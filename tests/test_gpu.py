@@ -124,12 +124,10 @@ def test_cudagraphs_decode_matches_the_plain_compile_and_replays_graphs():
     """`dsv41c.compile(cudagraphs=True)`: every pass on tiny's first four layers at bench.json's
     widths (bf16, kv_quant), eager prefill, then 8 decode steps replaying the CUDA graphs of the
     position-independent partitions, against the same steps without graphs and with the graphs
-    launched (torch.profiler sees cudaGraphLaunch). Batch 1: `benchmarks/cudagraphs.py` found the
-    two bit-identical over 24 steps at batch 1; at batch 32 bf16 near-ties, amplified by the FP4
-    cache the steps write, move single sequences apart by up to 0.2, as they move the compile
-    without graphs from one run to the next (BENCHMARKS.md), and at batch 2 this test failed once in
-    two runs (its distances not seen). So all steps but at most one must agree to the bf16 bound.
-    About 5 minutes: two compiles."""
+    launched (torch.profiler sees cudaGraphLaunch). The graphed decode is the decode graph of the
+    compile without graphs, partitioned, so every step must agree to the bf16 bound; measured
+    bit-identical (here, and over 24 steps at batch 32 in `benchmarks/cudagraphs.py`, each before
+    concatenations were graphed). About 4 minutes: two compiles."""
     from torch.profiler import ProfilerActivity, profile
     torch._dynamo.reset()
     args = first_four_args("bench")
@@ -153,4 +151,4 @@ def test_cudagraphs_decode_matches_the_plain_compile_and_replays_graphs():
     assert all(x.isfinite().all() for x in runs[True])
     errs = [rel_err(a, b) for a, b in zip(runs[True], runs[False], strict=True)]
     print("cudagraphs vs plain per step:", errs)
-    assert sorted(errs)[-2] <= 2e-2, errs
+    assert max(errs) <= 2e-2, errs
