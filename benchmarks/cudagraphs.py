@@ -2,7 +2,7 @@
 tiny's first four layers at bench.json's widths (a cut that compiles in one to two minutes on an
 H200 host; `benchmarks/compile.py --variants ...+cudagraphs` times the whole bench.json model).
 
-    python3 benchmarks/cudagraphs.py [--batch 1] [--steps 24] [--json OUT.json]
+    python3 benchmarks/cudagraphs.py [--batch 1] [--steps 24] [--then-batch N] [--json OUT.json]
 
 Every pass, bf16, kv_quant; an eager prefill of 40 tokens, then `--steps` compiled decode steps on
 the same tokens both ways. Prints, per variant: the first pass (compiles included), ms per step
@@ -12,7 +12,10 @@ cudaLaunchKernel: aten; cudaGraphLaunch: one per graphed partition) and the devi
 the graphed variant's partitions (CUDA graph trees functions) and re-recordings (must stay none:
 a partition that took the position would record again at every step). Then, per step, the graphed
 variant's distance from the one without graphs, the sequences more than 2e-2 apart and the
-sequences whose greedy token differs.
+sequences whose greedy token differs. --then-batch N: the graphed compile then decodes at batch N
+too (fresh tokens, the same eager prefill), and the run reports the graphs compiled for it (none
+expected when both batches are above 1: the batch is a symbol), the partitions recorded after it,
+its re-recordings, its ms per step (second pass) and its distance from eager at each step.
 """
 from __future__ import annotations
 
@@ -39,25 +42,35 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--then-batch", type=int, default=None, metavar="N")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("cudagraphs.py: needs a CUDA device")
     args = first_four_args("bench")
     model = dsv41c.build_model(args, seed=0, dtype=torch.bfloat16, kv_quant=True, device="cuda")
+    if a.then_batch is not None and not 1 <= a.then_batch <= args.max_batch_size:
+        sys.exit(f"cudagraphs.py: --then-batch {a.then_batch}: expected 1 .. {args.max_batch_size}")
     gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, args.vocab_size, (a.batch, PROMPT), generator=gen).cuda()
-    tokens = torch.randint(0, args.vocab_size, (a.steps, a.batch, 1), generator=gen).cuda()
 
-    def decode(fn, steps=a.steps, keep=False):
+    def inputs(batch):
+        """A prompt and the decode steps' tokens, as separate tensors (a view's base sizes would be
+        guarded on too)."""
+        prompt = torch.randint(0, args.vocab_size, (batch, PROMPT), generator=gen).cuda()
+        return prompt, [torch.randint(0, args.vocab_size, (batch, 1), generator=gen).cuda() for _ in range(a.steps)]
+
+    prompt, tokens = inputs(a.batch)
+
+    def decode(fn, keep=False, prompt_tokens=None):
+        p, toks = prompt_tokens or (prompt, tokens)
         model.reset_cache()
         with torch.no_grad():
-            model(prompt, 0)
+            model(p, 0)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            out = [fn(tokens[i], PROMPT + i) for i in range(steps)]
+            out = [fn(t, PROMPT + i) for i, t in enumerate(toks)]
             torch.cuda.synchronize()
-        return ([o.float() for o in out] if keep else None), (time.perf_counter() - t0) / steps * 1e3
+        return ([o.float() for o in out] if keep else None), (time.perf_counter() - t0) / len(toks) * 1e3
 
     def launches(fn) -> dict:
         from torch.profiler import ProfilerActivity, profile
@@ -74,6 +87,17 @@ def main() -> None:
         per_step = {e.key: e.count / 4 for e in events if e.key in LAUNCH_APIS}
         per_step["device kernels"] = sum(e.count for e in events if e.device_type != torch.autograd.DeviceType.CPU) / 4
         return per_step
+
+    def then_batch(compiled, manager) -> dict:
+        second = inputs(a.then_batch)
+        ref, _ = decode(model, keep=True, prompt_tokens=second)
+        graphs = compiled.graphs
+        got, _ = decode(compiled, keep=True, prompt_tokens=second)
+        return {"batch": a.then_batch, "graphs_compiled": compiled.graphs - graphs,
+                "partitions_graphed": len(manager.ids_to_funcs),
+                "rerecords": sum(n for per_node in manager.num_rerecord.values() for n in per_node.values()),
+                "ms_per_step": decode(compiled, prompt_tokens=second)[1],
+                "err_vs_eager": [round(relative_error(x, y), 5) for x, y in zip(got, ref, strict=True)]}
 
     eager, _ = decode(model, keep=True)
     record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "batch": a.batch,
@@ -93,6 +117,8 @@ def main() -> None:
             manager = cudagraph_trees.get_container(torch.cuda.current_device()).tree_manager
             row["partitions_graphed"] = len(manager.ids_to_funcs)
             row["rerecords"] = sum(n for per_node in manager.num_rerecord.values() for n in per_node.values())
+            if a.then_batch is not None:
+                row["then_batch"] = then_batch(compiled, manager)
         record["variants"][name] = row
         print(name, json.dumps(row), flush=True)
     v = record["variants"]
