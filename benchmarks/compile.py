@@ -262,12 +262,18 @@ def profile_steps(fn, device: str, steps: int, top: int = 6) -> dict:
                                            for e in by_op[:3 * top]]}
 
 
+def file_stem(variant: str) -> str:
+    """A variant's name as a plain file name ("dsv41c.compile+cudagraphs" ->
+    "dsv41c.compile_cudagraphs"): some file transfers drop names with other characters."""
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in variant)
+
+
 @contextlib.contextmanager
 def sibling_timing(sync_dir: Path, variant: str, lock: Path):
     """The timing phase of one of `--parallel`'s children: say this child has compiled, wait for the
     parent's go (every living sibling has compiled too, so no compile competes for the host), then
     time under an exclusive lock (one sibling at a time on the device)."""
-    (sync_dir / f"ready.{variant}").touch()
+    (sync_dir / f"ready.{file_stem(variant)}").touch()
     while not (sync_dir / "go").exists():
         time.sleep(1)
     with device_lock(lock):
@@ -308,14 +314,14 @@ def run_parallel(a: argparse.Namespace, argv: list[str]) -> dict:
             parts.mkdir(parents=True)
         base = strip_options([x for x in argv if x != "--parallel"], ("--variants", "--json"))
         children = {v: subprocess.Popen([sys.executable, __file__, *base, "--variants", v,
-                                         "--json", str(sync_dir / f"{v}.json"), "--sync-dir", str(sync_dir)])
+                                         "--json", str(sync_dir / f"{file_stem(v)}.json"), "--sync-dir", str(sync_dir)])
                     for v in compiled}
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # a timeout: keep what was measured
         stopped = False
         try:
             while any(p.poll() is None for p in children.values()):
                 alive = [v for v, p in children.items() if p.poll() is None]
-                if all((sync_dir / f"ready.{v}").exists() for v in alive):
+                if all((sync_dir / f"ready.{file_stem(v)}").exists() for v in alive):
                     (sync_dir / "go").touch()
                 time.sleep(1)
         except (SystemExit, KeyboardInterrupt):
@@ -326,8 +332,8 @@ def run_parallel(a: argparse.Namespace, argv: list[str]) -> dict:
                 if p.poll() is None:
                     p.terminate()
                     p.wait()
-        records = {v: json.loads((sync_dir / f"{v}.json").read_text())
-                   for v in compiled if (sync_dir / f"{v}.json").exists()}
+        records = {v: json.loads((sync_dir / f"{file_stem(v)}.json").read_text())
+                   for v in compiled if (sync_dir / f"{file_stem(v)}.json").exists()}
     if "eager" in a.variants and not stopped:
         record = run_variants(argparse.Namespace(**{**vars(a), "variants": ["eager"]}))
         records["eager"] = record
