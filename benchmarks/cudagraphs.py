@@ -2,7 +2,8 @@
 tiny's first four layers at bench.json's widths (a cut that compiles in one to two minutes on an
 H200 host; `benchmarks/compile.py --variants ...+cudagraphs` times the whole bench.json model).
 
-    python3 benchmarks/cudagraphs.py [--batch 1] [--steps 24] [--then-batch N] [--json OUT.json]
+    python3 benchmarks/cudagraphs.py [--batch 1] [--steps 24] [--then-batch N] [--graph-option KEY=VALUE ...]
+                                     [--json OUT.json]
 
 Every pass, bf16, kv_quant; an eager prefill of 40 tokens, then `--steps` compiled decode steps on
 the same tokens both ways. Prints, per variant: the first pass (compiles included), ms per step
@@ -16,10 +17,14 @@ sequences whose greedy token differs. --then-batch N: the graphed compile then d
 too (fresh tokens, the same eager prefill), and the run reports the graphs compiled for it (none
 expected when both batches are above 1: the batch is a symbol), the partitions recorded after it,
 its re-recordings, its ms per step (second pass) and its distance from eager at each step.
+--graph-option KEY=VALUE (repeatable): also a graphed variant, "cudagraphs+options", compiled with
+these Inductor settings added to `dsv41c.compiler.CUDAGRAPH_OPTIONS` (VALUE a Python literal), to
+time a setting before it goes into the defaults.
 """
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import sys
 import time
@@ -29,6 +34,7 @@ import torch
 from torch._inductor import cudagraph_trees
 
 import dsv41c
+from dsv41c import compiler
 from dsv41c.golden import relative_error
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -43,8 +49,13 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--then-batch", type=int, default=None, metavar="N")
+    ap.add_argument("--graph-option", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
+    try:
+        options = {k: ast.literal_eval(v) for k, v in (o.split("=", 1) for o in a.graph_option)}
+    except (ValueError, SyntaxError) as e:
+        sys.exit(f"cudagraphs.py: --graph-option {a.graph_option}: expected KEY=VALUE, VALUE a Python literal ({e})")
     if not torch.cuda.is_available():
         sys.exit("cudagraphs.py: needs a CUDA device")
     args = first_four_args("bench")
@@ -102,10 +113,16 @@ def main() -> None:
     eager, _ = decode(model, keep=True)
     record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "batch": a.batch,
               "steps": a.steps, "variants": {}}
+    if options:
+        record["graph_options"] = options
     logits = {}
-    for name, graphs in (("cudagraphs", True), ("plain", False)):
+    graphed = ["cudagraphs"] + ["cudagraphs+options"] * bool(options)
+    defaults = dict(compiler.CUDAGRAPH_OPTIONS)
+    for name in (*graphed, "plain"):
+        graphs = name != "plain"
         torch._dynamo.reset()
         cudagraph_trees.reset_cudagraph_trees()
+        compiler.CUDAGRAPH_OPTIONS = {**defaults, **options} if name == "cudagraphs+options" else defaults
         compiled = dsv41c.compile(model, EVERY_PASS, cudagraphs=graphs)
         t0 = time.perf_counter()
         logits[name], _ = decode(compiled, keep=True)
@@ -122,19 +139,19 @@ def main() -> None:
         record["variants"][name] = row
         print(name, json.dumps(row), flush=True)
     v = record["variants"]
-    name = "cudagraphs"
-    pairs = list(zip(logits[name], logits["plain"], strict=True))
-    # The graphed decode is the same graph as the plain one, replayed (bit-identical on an H200 at
-    # batch 32). Per step: the distance, the sequences apart by more than 2e-2 of the step's logit
-    # scale, and those whose greedy token differs.
-    v[name]["vs_plain"] = [round(relative_error(x, y), 5) for x, y in pairs]
-    v[name]["sequences_apart"] = [int(((x - y).abs().amax(-1) > 2e-2 * y.abs().max()).sum()) for x, y in pairs]
-    v[name]["greedy_differs"] = [int((x.argmax(-1) != y.argmax(-1)).sum()) for x, y in pairs]
-    print(f"{name} vs plain, per step:", v[name]["vs_plain"])
-    print(f"  sequences apart (of {a.batch}):", v[name]["sequences_apart"])
-    print("  greedy tokens that differ:", v[name]["greedy_differs"])
-    print(f"  ms per step: {name} {v[name]['ms_per_step']:.2f}, plain {v['plain']['ms_per_step']:.2f} "
-          f"({v['plain']['ms_per_step'] / v[name]['ms_per_step']:.2f}x)")
+    for name in graphed:
+        pairs = list(zip(logits[name], logits["plain"], strict=True))
+        # The default graphed decode is the plain one's graph, replayed (bit-identical on an H200 at
+        # batch 32); --graph-option settings may change the graph. Per step: the distance, the sequences apart by more than 2e-2 of the step's logit
+        # scale, and those whose greedy token differs.
+        v[name]["vs_plain"] = [round(relative_error(x, y), 5) for x, y in pairs]
+        v[name]["sequences_apart"] = [int(((x - y).abs().amax(-1) > 2e-2 * y.abs().max()).sum()) for x, y in pairs]
+        v[name]["greedy_differs"] = [int((x.argmax(-1) != y.argmax(-1)).sum()) for x, y in pairs]
+        print(f"{name} vs plain, per step:", v[name]["vs_plain"])
+        print(f"  sequences apart (of {a.batch}):", v[name]["sequences_apart"])
+        print("  greedy tokens that differ:", v[name]["greedy_differs"])
+        print(f"  ms per step: {name} {v[name]['ms_per_step']:.2f}, plain {v['plain']['ms_per_step']:.2f} "
+              f"({v['plain']['ms_per_step'] / v[name]['ms_per_step']:.2f}x)")
     if a.json:
         Path(a.json).write_text(json.dumps(record, indent=1))
 
