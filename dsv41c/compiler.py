@@ -114,8 +114,9 @@ PRECISION = {"emulate_precision_casts": True}
 # host-bound (hundreds of launches a step), and the position (a SymInt) sets the shapes of the
 # cache reads, so the step cannot be one CUDA graph (each position would record another). Inductor's
 # graph partitioning splits the step at every op whose shapes use the position: the cache writes
-# and reads, RoPE, the indexer and sparse attention, which run as usual; the partitions between them
-# (mHC, the projections, the MoE, the head) are recorded by the CUDA graph trees and replayed. The
+# and reads, the copy of RoPE's rows at the position (`copy_position_rows`), the indexer and sparse
+# attention, which run as usual; the partitions between them (mHC, the projections, RoPE, the MoE,
+# the head) are recorded by the CUDA graph trees and replayed. The
 # batch stays symbolic, as in the compile without graphs (`dynamic=True`), so one decode graph serves
 # every batch size above 1 (Dynamo specialises batch 1) and the trees record each partition once per
 # batch size; the decode graph is the same as without graphs, and so are its logits (bit-identical
@@ -128,13 +129,52 @@ CUDAGRAPH_OPTIONS = {"triton.cudagraphs": True, "graph_partition": True,
 _DYNAMIC = "dynamic shape ops"  # Inductor's partition reason for a node that uses a symbol
 
 
+@torch.library.custom_op("dsv41c::table_rows", mutates_args=())
+def table_rows(table: torch.Tensor, start: int, length: int, step: int) -> torch.Tensor:
+    """table[start : start + length * step : step], copied: a constant table's rows at a position."""
+    return table[start:start + length * step:step].clone()
+
+
+@table_rows.register_fake
+def _(table, start, length, step):
+    return table.new_empty((length, *table.shape[1:]))
+
+
+def copy_position_rows(graph: fx.Graph) -> int:
+    """Replace each slice of a constant (a frozen buffer such as RoPE's tables) along dim 0 at a
+    symbolic start and of a static length by one `dsv41c::table_rows` copy; returns the count.
+
+    In the decode graph the position picks RoPE's rows: every kernel reading them through the slice
+    indexes memory with the position's symbol, so the partition rule kept each out of the CUDA
+    graphs, and with it the concatenation it writes into (BENCHMARKS.md). After the copy only the
+    copy takes the position; the kernels read its rows at fixed offsets. A copy, so the values are
+    the same bits."""
+    count = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.slice.Tensor:
+            continue
+        src, dim, start, _, step = (*node.args, *(None, 0, None, None, 1)[len(node.args):])
+        length = node.meta["val"].shape[0] if "val" in node.meta else None
+        if (getattr(src, "op", None) != "get_attr" or dim != 0 or not isinstance(start, fx.Node)
+                or not isinstance(length, int) or not isinstance(step, int) or node.kwargs):
+            continue
+        with graph.inserting_before(node):
+            rows = graph.call_function(torch.ops.dsv41c.table_rows.default, (src, start, length, step))
+        rows.meta.update(node.meta)
+        node.replace_all_uses_with(rows)
+        graph.erase_node(node)
+        count += 1
+    return count
+
+
 class PartitionRuleKey(CustomGraphPass):
-    """A pass that changes nothing: its uuid, a hash of this file, keys Inductor's caches on the
-    partition rule of `partition_on_shape_symbols`, which Inductor's own cache key cannot see (a
-    graph partitioned by another rule would otherwise be reused)."""
+    """The graphed compile's post-grad pre-pass: `copy_position_rows`. Its uuid, a hash of this
+    file, also keys Inductor's caches on the partition rule of `partition_on_shape_symbols`, which
+    Inductor's own cache key cannot see (a graph partitioned by another rule would otherwise be
+    reused)."""
 
     def __call__(self, graph: fx.Graph) -> None:
-        pass
+        copy_position_rows(graph)
 
     def uuid(self) -> bytes:
         return get_hash_for_files((__file__,))

@@ -6,6 +6,7 @@ golden replay through passes_only compiles a few graphs per file), so they are o
 compile runs in CI: a four-layer cut in bf16 against eager and the fp32 twin (about two minutes).
 """
 import dataclasses
+import operator
 from pathlib import Path
 
 import pytest
@@ -171,6 +172,36 @@ def test_the_decode_partitions_of_cudagraphs_keep_the_logits(emulated_cudagraphs
     errs = decode_errors(model, compile_graphed(model), 1, 3, torch.Generator().manual_seed(0))
     assert max(errs) <= 2e-2, errs
     assert len(partitions) >= 12, len(partitions)
+
+
+def test_the_graphed_compile_copies_a_constant_tables_rows_at_a_symbolic_position():
+    """`copy_position_rows` (the graphed compile's pre-pass): a slice of a constant along dim 0 at a
+    symbolic start and of a static length becomes one `dsv41c::table_rows` copy with the same
+    values (so the kernels reading the rows no longer take the position); a slice at a constant
+    start, or of a graph input, stays."""
+    from dsv41c.compiler import copy_position_rows
+    table = torch.randn(10, 4, 2)
+    g = torch.fx.Graph()
+    root = torch.nn.Module()
+    root.register_buffer("table", table)
+    t, x, pos = g.get_attr("table"), g.placeholder("x"), g.placeholder("pos")
+    end = g.call_function(operator.add, (pos, 2))
+    rows = g.call_function(torch.ops.aten.slice.Tensor, (t, 0, pos, end))
+    rows.meta["val"] = torch.empty(2, 4, 2)
+    fixed = g.call_function(torch.ops.aten.slice.Tensor, (t, 0, 1, 3))
+    fixed.meta["val"] = torch.empty(2, 4, 2)
+    of_input = g.call_function(torch.ops.aten.slice.Tensor, (x, 0, pos, end))
+    of_input.meta["val"] = torch.empty(2, 4, 2)
+    g.output((rows, fixed, of_input))
+    assert copy_position_rows(g) == 1
+    targets = [n.target for n in g.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.dsv41c.table_rows.default) == 1
+    assert targets.count(torch.ops.aten.slice.Tensor) == 2
+    gm = torch.fx.GraphModule(root, g)
+    x = torch.randn(10, 4, 2)
+    for p in (0, 3, 8):
+        got = gm(x, p)
+        assert torch.equal(got[0], table[p:p + 2]) and torch.equal(got[1], table[1:3]) and torch.equal(got[2], x[p:p + 2])
 
 
 def test_the_graphed_decode_compiles_once_for_two_batch_sizes(emulated_cudagraphs):
