@@ -116,13 +116,13 @@ PRECISION = {"emulate_precision_casts": True}
 # graph partitioning splits the step at every op whose shapes use the position: the cache writes
 # and reads, the copy of RoPE's rows at the position (`copy_position_rows`), the indexer and sparse
 # attention, which run as usual; the partitions between them (mHC, the projections, RoPE, the MoE,
-# the head) are recorded by the CUDA graph trees and replayed. The
-# batch stays symbolic, as in the compile without graphs (`dynamic=True`), so one decode graph serves
-# every batch size above 1 (Dynamo specialises batch 1) and the trees record each partition once per
-# batch size; the decode graph is the same as without graphs, and so are its logits (bit-identical
-# on an H200 at batch 32, BENCHMARKS.md). Inductor's own test of "uses a symbol" needs
-# `partition_on_shape_symbols`. Partition reordering is off: it was not needed to reach the
-# partitioning measured.
+# the head) are recorded by the CUDA graph trees and replayed. The batch stays symbolic, as in the
+# compile without graphs (`dynamic=True`), so one decode graph serves every batch size above 1
+# (Dynamo specialises batch 1) and the trees record each partition once per batch size. The decode
+# graph is the one without graphs, with the row copies (exact) added, and so are its logits
+# (bit-identical on an H200 at batch 32, before the copies were added; BENCHMARKS.md). Inductor's
+# own test of "uses a symbol" needs `partition_on_shape_symbols`. Partition reordering is off: it
+# was not needed to reach the partitioning measured.
 CUDAGRAPH_OPTIONS = {"triton.cudagraphs": True, "graph_partition": True,
                      "triton.cudagraph_skip_dynamic_graphs": True,
                      "triton.reorder_for_reducing_graph_partitions": False}
