@@ -11,10 +11,10 @@ the same tokens both ways. Prints, per variant: the first pass (compiles include
 cudaLaunchKernel: aten; cudaGraphLaunch: one per graphed partition) and the device kernels per step
 (torch.profiler over 4 steps), the relative max-abs distance of each step's logits from eager, and
 the graphed variant's partitions (CUDA graph trees functions) and re-recordings (must stay none:
-a partition that took the position would record again at every step). Then, per step, the graphed
+a partition that took the position would record again at every step). Then, per step, each graphed
 variant's distance from the one without graphs, the sequences more than 2e-2 apart and the
 sequences whose greedy token differs. --then-batch N: the graphed compile then decodes at batch N
-too (fresh tokens, the same eager prefill), and the run reports the graphs compiled for it (none
+too (a fresh prompt, prefilled eagerly, and fresh tokens), and the run reports the graphs compiled for it (none
 expected when both batches are above 1: the batch is a symbol), the partitions recorded after it,
 its re-recordings, its ms per step (second pass) and its distance from eager at each step.
 --graph-option KEY=VALUE (repeatable): also a graphed variant, "cudagraphs+options", compiled with
