@@ -202,6 +202,8 @@ def test_the_graphed_compile_copies_a_constant_tables_rows_at_a_symbolic_positio
     for p in (0, 3, 8):
         got = gm(x, p)
         assert torch.equal(got[0], table[p:p + 2]) and torch.equal(got[1], table[1:3]) and torch.equal(got[2], x[p:p + 2])
+    torch.library.opcheck(torch.ops.dsv41c.table_rows.default, (table, 3, 3, 2))
+    assert torch.equal(torch.ops.dsv41c.table_rows(table, 3, 3, 2), table[3:9:2])
 
 
 def test_the_graphed_decode_compiles_once_for_two_batch_sizes(emulated_cudagraphs):
