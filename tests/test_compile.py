@@ -162,7 +162,7 @@ def decode_errors(model, fn, batch, steps, gen):
 def test_the_decode_partitions_of_cudagraphs_keep_the_logits(emulated_cudagraphs):
     """`cudagraphs=True` splits the decode graph into partitions (compiler.partition_on_shape_symbols),
     emulated on the CPU. Every pass, tiny's first four layers in bf16 with kv_quant, prefill then 3
-    decode steps: over a dozen partitions (32), and the decode within the bf16 bound of eager bf16
+    decode steps: over a dozen partitions, and the decode within the bf16 bound of eager bf16
     (0.006-0.012 measured; the unpartitioned compile is the same). With concatenations
     split between partitions it was 0.27-0.46 (fp32 did not show that split); a concatenation is
     graphed whole, in one partition, or not at all, and a rule that graphs every concatenation

@@ -125,11 +125,11 @@ def test_cudagraphs_decode_matches_the_plain_compile_and_replays_graphs():
     widths (bf16, kv_quant), eager prefill, then 8 decode steps replaying the CUDA graphs of the
     position-independent partitions, against the same steps without graphs and with the graphs
     launched (torch.profiler sees cudaGraphLaunch). The graphed decode is the decode graph of the
-    compile without graphs, partitioned, so every step must agree to the bf16 bound. Batch 2, where
-    the batch is a symbol the partition rule must see past (Dynamo specialises batch 1). Measured
-    bit-identical at batch 1 (this test, 8 steps) and batch 32 (`benchmarks/cudagraphs.py`, 24
-    steps), both before concatenations were graphed; at batch 2 in this form not yet run. About 4
-    minutes: two compiles."""
+    compile without graphs, partitioned, with exact copies of RoPE's rows, so every step must agree
+    to the bf16 bound. Batch 2, where the batch is a symbol the partition rule must see past (Dynamo
+    specialises batch 1). Measured bit-identical at batch 1 (this test, 8 steps) and batch 32
+    (`benchmarks/cudagraphs.py`, 24 steps), both before concatenations were graphed and RoPE's rows
+    copied; at batch 2 in this form not yet run. About 4 minutes: two compiles."""
     from torch.profiler import ProfilerActivity, profile
     torch._dynamo.reset()
     args = first_four_args("bench")
