@@ -3,7 +3,7 @@ tiny's first four layers at bench.json's widths (a cut that compiles in one to t
 H200 host; `benchmarks/compile.py --variants ...+cudagraphs` times the whole bench.json model).
 
     python3 benchmarks/cudagraphs.py [--batch 1] [--steps 24] [--then-batch N] [--graph-option KEY=VALUE ...]
-                                     [--json OUT.json]
+                                     [--host-profile] [--json OUT.json]
 
 Every pass, bf16, kv_quant; an eager prefill of 40 tokens, then `--steps` compiled decode steps on
 the same tokens both ways. Prints, per variant: the first pass (compiles included), ms per step
@@ -19,7 +19,9 @@ expected when both batches are above 1: the batch is a symbol), the partitions r
 its re-recordings, its ms per step (second pass) and its distance from eager at each step.
 --graph-option KEY=VALUE (repeatable): also a graphed variant, "cudagraphs+options", compiled with
 these Inductor settings added to `dsv41c.compiler.CUDAGRAPH_OPTIONS` (VALUE a Python literal), to
-time a setting before it goes into the defaults.
+time a setting before it goes into the defaults. --host-profile: also, per variant, where the
+host's time goes (cProfile over 8 steps after the timings, the functions with the most own time per
+step; cProfile slows Python down, so the shares matter, not the sums).
 """
 from __future__ import annotations
 
@@ -44,12 +46,27 @@ PROMPT = 40
 LAUNCH_APIS = ("cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernel", "cudaGraphLaunch")
 
 
+def host_profile(run, steps: int, top: int = 25) -> list[dict]:
+    """cProfile of run() (which takes `steps` decode steps): the `top` functions by own time, with
+    their calls and own and cumulative ms per step."""
+    import cProfile
+    import pstats
+    prof = cProfile.Profile()
+    prof.runcall(run)
+    stats = pstats.Stats(prof).stats                         # (file, line, name) -> (cc, nc, tt, ct, callers)
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [{"function": f"{Path(file).name}:{line} {name}", "calls_per_step": round(nc / steps, 1),
+             "own_ms_per_step": round(tt / steps * 1e3, 3), "cumulative_ms_per_step": round(ct / steps * 1e3, 3)}
+            for (file, line, name), (_, nc, tt, ct, _) in rows]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--then-batch", type=int, default=None, metavar="N")
     ap.add_argument("--graph-option", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--host-profile", action="store_true")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     try:
@@ -82,6 +99,20 @@ def main() -> None:
             out = [fn(t, PROMPT + i) for i, t in enumerate(toks)]
             torch.cuda.synchronize()
         return ([o.float() for o in out] if keep else None), (time.perf_counter() - t0) / len(toks) * 1e3
+
+    def profiled_steps(fn) -> list[dict]:
+        """host_profile of up to 8 decode steps of fn, after an eager prefill (not profiled)."""
+        few = tokens[:8]
+
+        def steps():
+            for i, t in enumerate(few):
+                fn(t, PROMPT + i)
+            torch.cuda.synchronize()
+        model.reset_cache()
+        with torch.no_grad():
+            model(prompt, 0)
+            torch.cuda.synchronize()
+            return host_profile(steps, len(few))
 
     def launches(fn) -> dict:
         from torch.profiler import ProfilerActivity, profile
@@ -130,6 +161,8 @@ def main() -> None:
                "ms_per_step": sorted(decode(compiled)[1] for _ in range(3))[1],
                "launches_per_step": launches(compiled),
                "err_vs_eager": [round(relative_error(x, y), 5) for x, y in zip(logits[name], eager, strict=True)]}
+        if a.host_profile:
+            row["host_profile"] = profiled_steps(compiled)
         if graphs:
             manager = cudagraph_trees.get_container(torch.cuda.current_device()).tree_manager
             row["partitions_graphed"] = len(manager.ids_to_funcs)
@@ -137,7 +170,10 @@ def main() -> None:
             if a.then_batch is not None:
                 row["then_batch"] = then_batch(compiled, manager)
         record["variants"][name] = row
-        print(name, json.dumps(row), flush=True)
+        print(name, json.dumps({k: x for k, x in row.items() if k != "host_profile"}), flush=True)
+        for entry in row.get("host_profile", []):
+            print(f"  {entry['own_ms_per_step']:8.3f} ms own {entry['cumulative_ms_per_step']:8.3f} ms cum "
+                  f"{entry['calls_per_step']:7.1f} calls  {entry['function']}")
     v = record["variants"]
     for name in graphed:
         pairs = list(zip(logits[name], logits["plain"], strict=True))
