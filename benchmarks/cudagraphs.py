@@ -46,6 +46,17 @@ PROMPT = 40
 LAUNCH_APIS = ("cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernel", "cudaGraphLaunch")
 
 
+def distances(got, ref) -> list[float]:
+    """Each step's relative max-abs distance of got's logits from ref's."""
+    return [round(relative_error(x, y), 5) for x, y in zip(got, ref, strict=True)]
+
+
+def graph_counts(manager) -> dict:
+    """The CUDA graph trees' partitions (functions) and re-recordings so far."""
+    return {"partitions_graphed": len(manager.ids_to_funcs),
+            "rerecords": sum(n for per_node in manager.num_rerecord.values() for n in per_node.values())}
+
+
 def host_profile(run, steps: int, top: int = 25) -> list[dict]:
     """cProfile of run() (which takes `steps` decode steps): the `top` functions by own time, with
     their calls and own and cumulative ms per step."""
@@ -136,10 +147,9 @@ def main() -> None:
         graphs = compiled.graphs
         got, _ = decode(compiled, keep=True, prompt_tokens=second)
         return {"batch": a.then_batch, "graphs_compiled": compiled.graphs - graphs,
-                "partitions_graphed": len(manager.ids_to_funcs),
-                "rerecords": sum(n for per_node in manager.num_rerecord.values() for n in per_node.values()),
+                **graph_counts(manager),
                 "ms_per_step": decode(compiled, prompt_tokens=second)[1],
-                "err_vs_eager": [round(relative_error(x, y), 5) for x, y in zip(got, ref, strict=True)]}
+                "err_vs_eager": distances(got, ref)}
 
     eager, _ = decode(model, keep=True)
     record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "batch": a.batch,
@@ -160,13 +170,12 @@ def main() -> None:
         row = {"first_pass_s": time.perf_counter() - t0,
                "ms_per_step": sorted(decode(compiled)[1] for _ in range(3))[1],
                "launches_per_step": launches(compiled),
-               "err_vs_eager": [round(relative_error(x, y), 5) for x, y in zip(logits[name], eager, strict=True)]}
+               "err_vs_eager": distances(logits[name], eager)}
         if a.host_profile:
             row["host_profile"] = profiled_steps(compiled)
         if graphs:
             manager = cudagraph_trees.get_container(torch.cuda.current_device()).tree_manager
-            row["partitions_graphed"] = len(manager.ids_to_funcs)
-            row["rerecords"] = sum(n for per_node in manager.num_rerecord.values() for n in per_node.values())
+            row.update(graph_counts(manager))
             if a.then_batch is not None:
                 row["then_batch"] = then_batch(compiled, manager)
         record["variants"][name] = row
@@ -180,7 +189,7 @@ def main() -> None:
         # The default graphed decode is the plain one's graph, replayed (bit-identical on an H200 at
         # batch 32); --graph-option settings may change the graph. Per step: the distance, the sequences apart by more than 2e-2 of the step's logit
         # scale, and those whose greedy token differs.
-        v[name]["vs_plain"] = [round(relative_error(x, y), 5) for x, y in pairs]
+        v[name]["vs_plain"] = distances(logits[name], logits["plain"])
         v[name]["sequences_apart"] = [int(((x - y).abs().amax(-1) > 2e-2 * y.abs().max()).sum()) for x, y in pairs]
         v[name]["greedy_differs"] = [int((x.argmax(-1) != y.argmax(-1)).sum()) for x, y in pairs]
         print(f"{name} vs plain, per step:", v[name]["vs_plain"])
