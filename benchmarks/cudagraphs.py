@@ -11,9 +11,10 @@ the same tokens both ways. Prints, per variant: the first pass (compiles include
 cudaLaunchKernel: aten; cudaGraphLaunch: one per graphed partition) and the device kernels per step
 (torch.profiler over 4 steps), the relative max-abs distance of each step's logits from eager, and
 the graphed variant's partitions (CUDA graph trees functions) and re-recordings (must stay none:
-a partition that took the position would record again at every step). Then, per step, each graphed
-variant's distance from the one without graphs, the sequences more than 2e-2 apart and the
-sequences whose greedy token differs. --then-batch N: the graphed compile then decodes at batch N
+a partition that took the position would record again at every step). The compile without graphs
+runs first; each graphed row also has, per step, its distance from it, the sequences more than
+2e-2 apart and the sequences whose greedy token differs. Each row is printed, and --json written,
+as soon as it is measured, so a run stopped early keeps what it measured. --then-batch N: the graphed compile then decodes at batch N
 too (a fresh prompt, prefilled eagerly, and fresh tokens), and the run reports the graphs compiled for it (none
 expected when both batches are above 1: the batch is a symbol), the partitions recorded after it,
 its re-recordings, its ms per step (second pass) and its distance from eager at each step.
@@ -159,7 +160,9 @@ def main() -> None:
     logits = {}
     graphed = ["cudagraphs"] + ["cudagraphs+options"] * bool(options)
     defaults = dict(compiler.CUDAGRAPH_OPTIONS)
-    for name in (*graphed, "plain"):
+    # The plain compile first: the reference of the graphed rows, and a call stopped early still
+    # has it. Each row is printed and the record written as soon as it is measured.
+    for name in ("plain", *graphed):
         graphs = name != "plain"
         torch._dynamo.reset()
         cudagraph_trees.reset_cudagraph_trees()
@@ -178,27 +181,26 @@ def main() -> None:
             row.update(graph_counts(manager))
             if a.then_batch is not None:
                 row["then_batch"] = then_batch(compiled, manager)
+            compare_to_plain(row, logits[name], logits["plain"], record["variants"]["plain"]["ms_per_step"])
         record["variants"][name] = row
         print(name, json.dumps({k: x for k, x in row.items() if k != "host_profile"}), flush=True)
         for entry in row.get("host_profile", []):
             print(f"  {entry['own_ms_per_step']:8.3f} ms own {entry['cumulative_ms_per_step']:8.3f} ms cum "
                   f"{entry['calls_per_step']:7.1f} calls  {entry['function']}")
-    v = record["variants"]
-    for name in graphed:
-        pairs = list(zip(logits[name], logits["plain"], strict=True))
-        # The default graphed decode is the plain one's graph, replayed (bit-identical on an H200 at
-        # batch 32); --graph-option settings may change the graph. Per step: the distance, the sequences apart by more than 2e-2 of the step's logit
-        # scale, and those whose greedy token differs.
-        v[name]["vs_plain"] = distances(logits[name], logits["plain"])
-        v[name]["sequences_apart"] = [int(((x - y).abs().amax(-1) > 2e-2 * y.abs().max()).sum()) for x, y in pairs]
-        v[name]["greedy_differs"] = [int((x.argmax(-1) != y.argmax(-1)).sum()) for x, y in pairs]
-        print(f"{name} vs plain, per step:", v[name]["vs_plain"])
-        print(f"  sequences apart (of {a.batch}):", v[name]["sequences_apart"])
-        print("  greedy tokens that differ:", v[name]["greedy_differs"])
-        print(f"  ms per step: {name} {v[name]['ms_per_step']:.2f}, plain {v['plain']['ms_per_step']:.2f} "
-              f"({v['plain']['ms_per_step'] / v[name]['ms_per_step']:.2f}x)")
-    if a.json:
-        Path(a.json).write_text(json.dumps(record, indent=1))
+        if a.json:
+            Path(a.json).write_text(json.dumps(record, indent=1))
+
+
+def compare_to_plain(row: dict, got: list, plain: list, plain_ms: float) -> None:
+    """Add to a graphed variant's row, per step: its distance from the plain compile, the sequences
+    apart by more than 2e-2 of the step's logit scale, and those whose greedy token differs. The
+    default graphed decode replays the plain one's graph (bit-identical on an H200 at batch 32);
+    --graph-option settings may change the graph."""
+    pairs = list(zip(got, plain, strict=True))
+    row["vs_plain"] = distances(got, plain)
+    row["sequences_apart"] = [int(((x - y).abs().amax(-1) > 2e-2 * y.abs().max()).sum()) for x, y in pairs]
+    row["greedy_differs"] = [int((x.argmax(-1) != y.argmax(-1)).sum()) for x, y in pairs]
+    row["speedup_vs_plain"] = plain_ms / row["ms_per_step"]
 
 
 if __name__ == "__main__":
