@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 import dsv41c
+from dsv41c.cli.run import TORCH_DTYPES, Device, DType, resolve_device
 from dsv41c.compiler import BACKENDS, DEFAULT_PASSES, CompiledModel, GraphSnapshot
 from dsv41c.errors import InputError
 from dsv41c.export import built_in_place, check_out_dir
@@ -44,12 +45,21 @@ def compile_command(
     strict: bool = typer.Option(False, "--strict", help="A pass that matches nothing is an error."),
     cpp_wrapper: bool = typer.Option(False, "--cpp-wrapper",
                                      help="Inductor's C++ wrapper: less host time per kernel launch."),
+    cudagraphs: bool = typer.Option(False, "--cudagraphs",
+                                    help="Decode steps replay CUDA graphs (experimental; --device cuda, "
+                                         "--backend inductor, without --cpp-wrapper)."),
+    dtype: DType = typer.Option(DType.float32, "--dtype", help="Activation and weight dtype."),
+    kv_quant: bool = typer.Option(False, "--kv-quant/--no-kv-quant",
+                                  help="The official KV fake-quantisation (the fp4_kv pass needs it)."),
+    device: Optional[Device] = typer.Option(None, "--device", show_default="cuda if available, else cpu",
+                                            help="Where the model is built and compiled."),
     prompt_len: Optional[int] = typer.Option(None, "--prompt-len", metavar="N", show_default="3 × window_size + 1",
                                              help="Prompt tokens of the measured prefill (batch 1)."),
     decode_steps: int = typer.Option(4, "--decode-steps", metavar="N", help="Measured decode steps."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random weights and of the prompt."),
 ) -> None:
-    """Compile the model of --config (random weights, float32, kv_quant off) with dsv41c.compile.
+    """Compile the model of --config (random weights; float32 and kv_quant off unless --dtype and
+    --kv-quant say otherwise) with dsv41c.compile.
 
     Runs a prefill and --decode-steps decode steps once to compile their graphs, then times them
     eager and compiled. Prints the graphs compiled, the compile time, the pass matches and both
@@ -61,6 +71,10 @@ def compile_command(
     if cpp_wrapper and backend != Backend.inductor:
         raise InputError(f"--cpp-wrapper: generates Inductor's wrapper code; --backend {backend.value} generates none "
                          f"(use --backend inductor)")
+    target = resolve_device(device)
+    if cudagraphs and (target != "cuda" or backend != Backend.inductor or cpp_wrapper):
+        raise InputError(f"--cudagraphs: needs --device cuda, --backend inductor and no --cpp-wrapper; found "
+                         f"--device {target}, --backend {backend.value}{' and --cpp-wrapper' if cpp_wrapper else ''}")
     if dump_graphs is not None:
         check_out_dir(dump_graphs, "--dump-graphs")
     args = dsv41c.ModelArgs.from_json(config)
@@ -73,11 +87,12 @@ def compile_command(
 
     err, out = Console(stderr=True), Console(highlight=False)
     with (err.status("building the model") if err.is_terminal else nullcontext()) as status:
-        model = dsv41c.build_model(args, seed=seed)
+        model = dsv41c.build_model(args, seed=seed, dtype=TORCH_DTYPES[dtype], kv_quant=kv_quant, device=target)
         compiled = dsv41c.compile(model, tuple(passes) if passes is not None else DEFAULT_PASSES, strict,
                                   backend=backend.value, observe=True, keep_code=dump_graphs is not None,
-                                  cpp_wrapper=cpp_wrapper)
+                                  cpp_wrapper=cpp_wrapper, cudagraphs=cudagraphs)
         ids = torch.randint(0, args.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(seed))
+        ids = ids.to(target)
         calls = [(ids, 0, f"prefill of {prompt_len}")]
         token = model(ids, 0).argmax(-1, keepdim=True)           # eager: the decode steps' input tokens
         for i in range(decode_steps):
@@ -96,7 +111,8 @@ def compile_command(
     if report:
         out.print(passes_table(compiled))
         out.print(counts_table(compiled.snapshots, labels))
-    out.print(rates_table(eager_rates, compiled_rates, backend.value, model.device.type))
+    out.print(rates_table(eager_rates, compiled_rates, backend.value + (", CUDA graphs" if cudagraphs else ""),
+                          model.device.type))
     out.print(f"worst relative max-abs error of the compiled logits against eager: {max(errors, default=0.0):.2e}",
               soft_wrap=True)
     if dump_graphs is not None:
@@ -122,14 +138,20 @@ def first_pass(compiled: CompiledModel, model, calls, status) -> tuple[dict[int,
 
 
 def rates(fn, calls) -> tuple[float, float]:
-    """(prefill tokens/s, decode tokens/s) of one pass over `calls` from an empty cache."""
+    """(prefill tokens/s, decode tokens/s) of one pass over `calls` from an empty cache, each phase
+    timed to the end of its device work."""
+    device = calls[0][0].device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     fn.reset_cache()
+    sync()
     t0 = time.perf_counter()
     fn(calls[0][0], 0)
+    sync()
     prefill = calls[0][0].shape[1] / (time.perf_counter() - t0)
     t0 = time.perf_counter()
     for ids, pos, _ in calls[1:]:
         fn(ids, pos)
+    sync()
     decode = (len(calls) - 1) / (time.perf_counter() - t0) if len(calls) > 1 else float("nan")
     return prefill, decode
 

@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from conftest import EVERY_PASS
 from typer.testing import CliRunner
 
 import dsv41c
@@ -236,6 +238,49 @@ def test_compile_bad_dump_dir_fails_before_compiling(tmp_path, make, fragment):
 
 def test_compile_unknown_pass_is_one_red_line():
     assert_error(compile_cli("--config", str(TINY), "--pass", "nope"), "unknown pass 'nope'")
+
+
+def test_compile_fp4_kv_with_kv_quant_in_bf16(one_layer):
+    """--kv-quant lets the CLI run fp4_kv: every cache write of the one layer (its window) rewritten,
+    the logits within the bf16 bound of eager bf16 with kv_quant."""
+    result = compile_cli("--config", str(one_layer), "--backend", "passes_only", "--device", "cpu",
+                         "--dtype", "bfloat16", "--kv-quant", "--pass", "fuse_wqa_wkv", "--pass", "fp4_kv",
+                         "--prompt-len", "5", "--decode-steps", "2")
+    assert result.exit_code == 0, (result.output, result.exception)
+    matches = re.search(r"passes: fuse_wqa_wkv (\d+) matches, fp4_kv (\d+) matches", result.stdout)
+    assert matches and int(matches.group(1)) > 0 and int(matches.group(2)) > 0, result.stdout
+    assert re.search(r"tokens/s on cpu", result.stdout)
+    assert float(re.search(r"against eager: (\S+)", result.stdout).group(1)) <= 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compile_every_pass_with_cudagraphs_on_cuda(one_layer):
+    result = compile_cli("--config", str(one_layer), "--device", "cuda", "--dtype", "bfloat16", "--kv-quant",
+                         "--cudagraphs", *(a for p in EVERY_PASS for a in ("--pass", p)),
+                         "--prompt-len", "5", "--decode-steps", "4")
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert re.search(r"fp4_kv [1-9]\d* matches", result.stdout)
+    assert re.search(r"\(inductor, CUDA graphs\), tokens/s on cuda", result.stdout)
+    assert float(re.search(r"against eager: (\S+)", result.stdout).group(1)) <= 2e-2
+
+
+def test_compile_fp4_kv_without_kv_quant_is_one_red_line(one_layer):
+    assert_error(compile_cli("--config", str(one_layer), "--backend", "passes_only", "--device", "cpu",
+                             "--pass", "fp4_kv"), "fp4_kv", "kv_quant=True")
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    (("--device", "cpu"), "--device cpu"),
+    (("--backend", "passes_only"), "--backend passes_only"),
+    (("--cpp-wrapper",), "--cpp-wrapper"),
+])
+def test_compile_cudagraphs_requirements_are_checked_first(extra, fragment, monkeypatch):
+    monkeypatch.setattr(run_module.torch.cuda, "is_available", lambda: True)     # --device cuda resolves
+    device = () if "--device" in extra else ("--device", "cuda")
+    line = assert_error(compile_cli("--config", str(TINY), "--cudagraphs", *device, *extra),
+                        "--cudagraphs: needs --device cuda, --backend inductor and no --cpp-wrapper")
+    assert fragment in line.split("found", 1)[1]
 
 
 def test_compile_cpp_wrapper_needs_the_inductor_backend():
