@@ -241,8 +241,9 @@ def test_compile_unknown_pass_is_one_red_line():
 
 
 def test_compile_fp4_kv_with_kv_quant_in_bf16(one_layer):
-    """--kv-quant lets the CLI run fp4_kv: every cache write of the one layer (its window) rewritten,
-    the logits within the bf16 bound of eager bf16 with kv_quant."""
+    """--kv-quant lets the CLI run fp4_kv: it matches the one layer's window writes, and the logits
+    stay within the bf16 bound of eager bf16 with kv_quant (tests/test_fp4_kv.py counts every
+    rewrite)."""
     result = compile_cli("--config", str(one_layer), "--backend", "passes_only", "--device", "cpu",
                          "--dtype", "bfloat16", "--kv-quant", "--pass", "fuse_wqa_wkv", "--pass", "fp4_kv",
                          "--prompt-len", "5", "--decode-steps", "2")
