@@ -129,7 +129,7 @@ def test_cudagraphs_decode_matches_the_plain_compile_and_replays_graphs():
     to the bf16 bound. Batch 2, where the batch is a symbol the partition rule must see past (Dynamo
     specialises batch 1). Measured bit-identical at batch 1 (this test, 8 steps) and batch 32
     (`benchmarks/cudagraphs.py`, 24 steps), both before concatenations were graphed and RoPE's rows
-    copied; at batch 2 in this form not yet run. About 4 minutes: two compiles."""
+    copied; in this form (batch 2) it passed on an H200 in 264 s with cold caches: two compiles."""
     from torch.profiler import ProfilerActivity, profile
     torch._dynamo.reset()
     args = first_four_args("bench")
