@@ -122,6 +122,12 @@ _CR_GROUPS_PRE = 2
 _CR_PREFETCH_PRE = 0
 _CR_GROUPS_POST_PRE = 1
 _CR_PREFETCH_POST_PRE = 1
+# CUDA: the column-resident kernel with the mixes GEMM handed off to GEMM warps (1,
+# `_cuda_handoff_prim_func`) or run by the streaming warps themselves in lockstep (0), per op; and
+# whether the hand-off kernel's streaming warps load the next block while computing this one
+_CR_HANDOFF_PRE = 0
+_CR_HANDOFF_POST_PRE = 0
+_HO_PREFETCH = 1
 _SMS = 132  # H200 SMs
 
 
@@ -358,7 +364,8 @@ def mhc_prim_funcs(kind, dtype, m, D, norm_eps, hc_eps, iters, target):
     if kind == "post_collapse":
         return [_cuda_stream_prim_func(dtype, m, D)]
     if column_resident(kind, dtype, D):
-        main = _cuda_colres_prim_func(kind, m, D)
+        handoff = _CR_HANDOFF_POST_PRE if kind == "post_pre" else _CR_HANDOFF_PRE
+        main = (_cuda_handoff_prim_func if handoff else _cuda_colres_prim_func)(kind, m, D)
     else:
         main = _cuda_mixes_prim_func(kind, dtype, m, D)
     return [main,
@@ -1117,6 +1124,238 @@ def _cuda_colres_prim_func(kind, m, D):
             args = (nb, vp, PV, gi, tg, q, lane, g, c, c0, bg)
             for i in T.serial(nb):
                 block(B, V, R, i, xl, xn, *args)
+
+    return names, _prim_func(names, S, body).with_attr(NO_SYNC_ATTR, 1)  # it places all its barriers
+
+
+# CUDA: named barriers for the hand-off kernel, as compiler barriers too ("memory"): the shared
+# stores before an arrive and the shared loads after a sync stay on their side of it
+_BAR_PRELUDE = _PACK_BF16X2 + """
+__device__ __forceinline__ void dsv41c_bar_sync(int id, int n) {
+  asm volatile("bar.sync %0, %1;" : : "r"(id), "r"(n) : "memory");
+}
+__device__ __forceinline__ void dsv41c_bar_arrive(int id, int n) {
+  asm volatile("bar.arrive %0, %1;" : : "r"(id), "r"(n) : "memory");
+}
+"""
+_HO_STREAM_WARPS = 8  # hand-off kernel: streaming warps, one per token pair (g, g + 8) of a 16-token block
+
+
+def _cuda_handoff_prim_func(kind, m, D):
+    """The column-resident mixing kernel with the mixes GEMM handed off (bf16 streams, D a multiple
+    of W = 256): grid (G = D / W column groups, P token groups), fn's slice split into three bf16
+    pieces in shared memory once per CTA, as in `_cuda_colres_prim_func`, but the CTA's warps have
+    one duty each and meet only at named barriers.
+
+    - 8 streaming warps.  Warp g takes tokens g and g + 8 of each 16-token block; lane L holds
+      columns 8L..8L+7 of both, so each warp access is one 512-byte piece of a row (the flat
+      post_collapse kernel's pattern).  It loads its rows (and, lane k < ncf, the token's
+      coefficient k, broadcast by shuffles), with the next block's loads issued before this block
+      is computed (`_HO_PREFETCH`), forms h_new and x in the reference's order, stores them,
+      reduces its sum of squares over the warp into the workspace, and stages h_new in a shared
+      double buffer in the mma's A layout.
+    - NT = 3 GEMM warps, warp tn on n8 tile tn of the mixes: per block, 64 k steps (m streams x
+      16) of 3 pieces, A by one 16-byte shared load per step, its 12 accumulators chained 16 deep,
+      the streams' totals added in order with IEEE adds, then written to the workspace.
+    The buffers' hand-off: `full` (barriers 1, 2) streaming warps arrive, GEMM warps sync;
+    `empty` (3, 4) the reverse, from the third block on.
+
+    Shared layouts.  Step s of stream j covers columns 16s..16s+15; lane (g, c) of an mma takes
+    columns 16s + 4c..+3 as its k slots 2c, 2c+1 (word 0) and 2c+8, 2c+9 (word 1).  h_new: [buffer,
+    j, s, c, g ^ (s % 8), word, row] words (the A fragment's four registers in order, 16 bytes;
+    the xor spreads one token's stores over the banks).  fn: [tile, j, s, lane, piece, 4 bf16]."""
+    expand = kind == "post_pre"
+    names = _PARAMS[kind, "main"]
+    W = _CR_W
+    G = D // W
+    S, N = _buffers(names, "bfloat16", m, D, G)
+    mix = 2 * m + m * m
+    NT = -(-mix // 8)
+    ncf = (m + m * m if expand else 0) + m
+    rows = list(range(m + 1 if expand else m))
+    src = "RES" if expand else "H"
+    KS = W // 16  # k steps per stream
+    SW = _HO_STREAM_WARPS
+    nth = (SW + NT) * 32
+    pmax = max(1, _CR_WAVES * _SMS // G)
+    nfv = NT * 8 * m * W // 4  # float4 vectors of fn's slice
+    prefetch = bool(_HO_PREFETCH)
+    assert W == 256 and D % W == 0 and ncf <= 32 and SW == 8
+    mul, add = _arith(True)
+
+    @T.macro
+    def load_rows(V, xs, cs, blk, g, lane, c0):
+        """Rows g, g + 8 of block blk (zeros past N) into xs, as words, and the lane's coefficient."""
+        for r in T.unroll(2):
+            t = blk * 16 + g + 8 * r
+            if t < N:
+                for j in rows:
+                    for w in T.vectorized(4):
+                        xs[r, j, w] = V["Y"][t, c0 + w] if j == m else V[src][t, j, c0 + w]
+            else:
+                for j in rows:
+                    for w in T.unroll(4):
+                        xs[r, j, w] = T.uint32(0)
+            tc = T.min(t, N - 1)
+            if expand:
+                cs[r] = T.if_then_else(
+                    (t < N) & (lane < ncf), T.if_then_else(
+                        lane < m, V["PIN"][tc, T.min(lane, m - 1)], T.if_then_else(
+                            lane < m + m * m, V["CIN"][tc, T.max(lane - m, 0) // m % m, T.max(lane - m, 0) % m],
+                            V["PD"][tc, T.max(lane - m - m * m, 0) % m])), T.float32(0))
+            else:
+                cs[r] = T.if_then_else((t < N) & (lane < ncf), V["PD"][tc, T.min(lane, m - 1)], T.float32(0))
+
+    @T.macro
+    def stream_block(B, V, R, i, blk, nb, g, lane, bg, c0):
+        xl, xn, cl, cn, co, hw, xo, hf, xf, hv, sq, Hs = (
+            R[k] for k in ("xl", "xn", "cl", "cn", "co", "hw", "xo", "hf", "xf", "hv", "sq", "Hs"))
+        if prefetch:
+            for r in T.unroll(2):
+                cl[r] = cn[r]
+                for j in rows:
+                    for w in T.unroll(4):
+                        xl[r, j, w] = xn[r, j, w]
+            if i + 1 < nb:
+                load_rows(V, xn, cn, blk + R["PV"], g, lane, c0)
+        else:
+            load_rows(V, xl, cl, blk, g, lane, c0)
+        for r in T.unroll(2):
+            t = blk * 16 + g + 8 * r
+            for k in T.unroll(ncf):
+                co[k] = T.shfl_sync(cl[r], k)
+            sq[r] = T.float32(0)
+            for w in T.unroll(4):
+                if expand:
+                    for u in [0, 1]:
+                        for j, hj in enumerate(_expand_exprs(
+                                m, lambda coef: co[coef],  # noqa: B023
+                                lambda src_row: _bf16_half(xl[r, src_row, w], u),  # noqa: B023
+                                mul, add)):
+                            hf[j, u] = hj
+                    for j in T.unroll(m):
+                        hw[r, j, w] = T.call_extern("uint32", "dsv41c_pack_bf16x2", hf[j, 0], hf[j, 1])
+                else:
+                    for j in T.unroll(m):
+                        hw[r, j, w] = xl[r, j, w]
+                for u in [0, 1]:
+                    for j in T.unroll(m):
+                        hv[j] = _bf16_half(hw[r, j, w], u)
+                    xf[u] = _collapse_expr(m, lambda pd_j: co[ncf - m + pd_j], hv, mul, add)  # noqa: B023
+                    for j in T.unroll(m):
+                        sq[r] = sq[r] + hv[j] * hv[j]
+                xo[r, w] = T.call_extern("uint32", "dsv41c_pack_bf16x2", xf[0], xf[1])
+            if t < N:
+                for w in T.vectorized(4):
+                    V["X"][t, c0 + w] = xo[r, w]
+                if expand:
+                    for j in T.unroll(m):
+                        for w in T.vectorized(4):
+                            V["HN"][t, j, c0 + w] = hw[r, j, w]
+            for o in [16, 8, 4, 2, 1]:
+                sq[r] = sq[r] + T.shfl_xor(sq[r], o)
+            if lane == 0 and t < N:
+                B["WS"][bg, t, mix] = sq[r]
+        if i >= 2:
+            T.call_extern("handle", "dsv41c_bar_sync", 3 + i % 2, nth)  # the GEMM is done with the buffer
+        s = lane // 2
+        st = R["st"]
+        for j in T.unroll(m):
+            for h in T.unroll(2):
+                for e in T.unroll(4):  # the A fragment's order: (word 2h, row 0), (2h, 1), (2h + 1, 0), (2h + 1, 1)
+                    st[e] = hw[e % 2, j, 2 * h + e // 2]
+                for e in T.vectorized(4):
+                    Hs[i % 2, j, s, lane % 2 * 2 + h, g ^ (s % 8), e] = st[e]
+        T.call_extern("handle", "dsv41c_bar_arrive", 1 + i % 2, nth)
+
+    @T.macro
+    def gemm_block(B, R, i, blk, nb, tn, lane, bg):
+        Fs, Hs, af, bf, Cc, tot = (R[k] for k in ("Fs", "Hs", "af", "bf", "Cc", "tot"))
+        g = lane // 4
+        c = lane % 4
+        T.call_extern("handle", "dsv41c_bar_sync", 1 + i % 2, nth)  # the block's h_new staged
+        for k in T.unroll(m * 3 * 4):
+            Cc[k] = T.float32(0)
+        for j in T.unroll(m):
+            for s in T.unroll(KS):
+                for e in T.vectorized(4):
+                    af[e] = Hs[i % 2, j, s, c, g ^ (s % 8), e]
+                for pc in T.unroll(3):
+                    for e in T.vectorized(4):
+                        bf[pc, e] = Fs[tn, j, s, lane, pc, e]
+                for pc in T.unroll(3):
+                    T.ptx_mma("float32", "m16n8k16", "row", "col", "bf16", "bf16", "fp32",
+                              af.data, 0, bf.data, pc * 4, Cc.data, (j * 3 + pc) * 4, T.bool(False))
+        if i + 2 < nb:
+            T.call_extern("handle", "dsv41c_bar_arrive", 3 + i % 2, nth)
+        for e in T.unroll(4):
+            tot[e] = T.float32(0)
+            for j in T.unroll(m):
+                tot[e] = tot[e] + (Cc[(j * 3 + 2) * 4 + e] + Cc[(j * 3 + 1) * 4 + e] + Cc[(j * 3) * 4 + e])
+        for r in T.unroll(2):
+            t = blk * 16 + g + 8 * r
+            for e in T.unroll(2):
+                if t < N and tn * 8 + 2 * c + e < mix:
+                    B["WS"][bg, t, tn * 8 + 2 * c + e] = tot[r * 2 + e]
+
+    @T.macro
+    def body(B):
+        with T.Kernel(G, T.min(T.ceildiv(N, 16), pmax), threads=nth, prelude=_BAR_PRELUDE) as (bg, bp):
+            tx = T.get_thread_binding()
+            V = {n: T.view(B[n], (N, *B[n].shape[1:-1], D // 2), "uint32") if n in _STREAMS else B[n] for n in names}
+            Fs = T.alloc_shared((NT, m, KS, 32, 3, 4), "bfloat16")
+            Hs = T.alloc_shared((2, m, KS, 4, 8, 4), "uint32")
+            fv = T.alloc_local((4,), "float32")
+            pl = T.alloc_local((3, 4), "bfloat16")
+            xl = T.alloc_local((2, len(rows), 4), "uint32")
+            xn = T.alloc_local((2, len(rows), 4), "uint32")
+            cl = T.alloc_local((2,), "float32")
+            cn = T.alloc_local((2,), "float32")
+            co = T.alloc_local((ncf,), "float32")
+            hw = T.alloc_local((2, m, 4), "uint32")
+            xo = T.alloc_local((2, 4), "uint32")
+            hf = T.alloc_local((m, 2), "float32")
+            xf = T.alloc_local((2,), "float32")
+            hv = T.alloc_local((m,), "float32")
+            sq = T.alloc_local((2,), "float32")
+            af = T.alloc_local((4,), "uint32")
+            bf = T.alloc_local((3, 4), "bfloat16")
+            Cc = T.alloc_local((m * 3 * 4,), "float32")
+            tot = T.alloc_local((4,), "float32")
+            st = T.alloc_local((4,), "uint32")
+            # fn's slice -> three bf16 pieces (docstring layout); column col = 16s + 4c + e
+            for it in T.unroll(-(-nfv // nth)):
+                v = it * nth + tx
+                if v < nfv:
+                    n = v // (m * W // 4)
+                    j = v // (W // 4) % m
+                    col = v % (W // 4) * 4
+                    for e in T.vectorized(4):
+                        fv[e] = T.if_then_else(n < mix, B["FN"][T.min(n, mix - 1), j * D + bg * W + col + e],
+                                               T.float32(0))
+                    for e in T.unroll(4):
+                        for pc, piece in enumerate(_bf16_pieces(fv[e], 3)):
+                            pl[pc, e] = piece
+                    for pc in [0, 1, 2]:
+                        for e in T.vectorized(4):
+                            Fs[n // 8, j, col // 16, n % 8 * 4 + col % 16 // 4, pc, e] = pl[pc, e]
+            T.sync_threads()  # fn's slice in Fs
+            wp = tx // 32
+            lane = tx % 32
+            NB = T.ceildiv(N, 16)
+            PV = T.min(NB, pmax)  # CTAs along the tokens; this one takes blocks bp, bp + PV, ...
+            nb = T.ceildiv(NB - bp, PV)
+            c0 = bg * (W // 2) + lane * 4  # the lane's first word of a row
+            R = {"Fs": Fs, "Hs": Hs, "xl": xl, "xn": xn, "cl": cl, "cn": cn, "co": co, "hw": hw, "xo": xo,
+                 "hf": hf, "xf": xf, "hv": hv, "sq": sq, "af": af, "bf": bf, "Cc": Cc, "tot": tot, "st": st, "PV": PV}
+            if wp < SW:
+                if prefetch:
+                    load_rows(V, xn, cn, bp, wp, lane, c0)
+                for i in T.serial(nb):
+                    stream_block(B, V, R, i, bp + i * PV, nb, wp, lane, bg, c0)
+            else:
+                for i in T.serial(nb):
+                    gemm_block(B, R, i, bp + i * PV, nb, wp - SW, lane, bg)
 
     return names, _prim_func(names, S, body).with_attr(NO_SYNC_ATTR, 1)  # it places all its barriers
 
