@@ -1154,16 +1154,17 @@ def _cuda_handoff_prim_func(kind, m, D):
       is computed (`_HO_PREFETCH`), forms h_new and x in the reference's order, stores them,
       reduces its sum of squares over the warp into the workspace, and stages h_new in a shared
       double buffer in the mma's A layout.
-    - NT = 3 GEMM warps, warp tn on n8 tile tn of the mixes: per block, 64 k steps (m streams x
-      16) of 3 pieces, A by one 16-byte shared load per step, its 12 accumulators chained 16 deep,
-      the streams' totals added in order with IEEE adds, then written to the workspace.
+    - NT = 3 GEMM warps, warp tn on n8 tile tn of the mixes: per block, 16 k steps of m streams
+      and 3 pieces, A by one 16-byte shared load per step and stream, the next step's loads issued
+      before this step's mma, its 3m accumulators chained 16 deep; the streams' totals added in
+      order with IEEE adds, then written to the workspace.
     The buffers' hand-off: `full` (barriers 1, 2) streaming warps arrive, GEMM warps sync;
     `empty` (3, 4) the reverse, from the third block on.
 
     Shared layouts.  Step s of stream j covers columns 16s..16s+15; lane (g, c) of an mma takes
     columns 16s + 4c..+3 as its k slots 2c, 2c+1 (word 0) and 2c+8, 2c+9 (word 1).  h_new: [buffer,
     j, s, c, g ^ (s % 8), word, row] words (the A fragment's four registers in order, 16 bytes;
-    the xor spreads one token's stores over the banks).  fn: [tile, j, s, lane, piece, 4 bf16]."""
+    the xor spreads one token's stores over the banks).  fn: [tile, j, s, piece, lane, 4 bf16]."""
     expand = kind == "post_pre"
     names = _PARAMS[kind, "main"]
     W = _CR_W
@@ -1269,23 +1270,36 @@ def _cuda_handoff_prim_func(kind, m, D):
         T.call_extern("handle", "dsv41c_bar_arrive", 1 + i % 2, nth)
 
     @T.macro
+    def gemm_loads(R, i, s, slot, tn, lane):
+        """k step s of every stream: the A fragments and fn's 3 pieces into register slot `slot`."""
+        Fs, Hs, af, bf = R["Fs"], R["Hs"], R["af"], R["bf"]
+        for j in T.unroll(m):
+            for e in T.vectorized(4):
+                af[slot, j, e] = Hs[i % 2, j, s, lane % 4, lane // 4 ^ (s % 8), e]
+            for pc in T.unroll(3):
+                for e in T.vectorized(4):
+                    bf[slot, j, pc, e] = Fs[tn, j, s, pc, lane, e]
+
+    @T.macro
     def gemm_block(B, R, i, blk, nb, tn, lane, bg):
-        Fs, Hs, af, bf, Cc, tot = (R[k] for k in ("Fs", "Hs", "af", "bf", "Cc", "tot"))
+        """Block i's mixes for n8 tile tn.  k step s of all m streams at a time (the 3m products of a
+        step go to 3m accumulators, so no two neighbours depend on each other), the next step's
+        shared loads issued before this step's mma."""
+        af, bf, Cc, tot = R["af"], R["bf"], R["Cc"], R["tot"]
         g = lane // 4
         c = lane % 4
         T.call_extern("handle", "dsv41c_bar_sync", 1 + i % 2, nth)  # the block's h_new staged
         for k in T.unroll(m * 3 * 4):
             Cc[k] = T.float32(0)
-        for j in T.unroll(m):
-            for s in T.unroll(KS):
-                for e in T.vectorized(4):
-                    af[e] = Hs[i % 2, j, s, c, g ^ (s % 8), e]
-                for pc in T.unroll(3):
-                    for e in T.vectorized(4):
-                        bf[pc, e] = Fs[tn, j, s, lane, pc, e]
+        gemm_loads(R, i, 0, 0, tn, lane)
+        for s in T.unroll(KS):
+            if s + 1 < KS:
+                gemm_loads(R, i, s + 1, (s + 1) % 2, tn, lane)
+            for j in T.unroll(m):
                 for pc in T.unroll(3):
                     T.ptx_mma("float32", "m16n8k16", "row", "col", "bf16", "bf16", "fp32",
-                              af.data, 0, bf.data, pc * 4, Cc.data, (j * 3 + pc) * 4, T.bool(False))
+                              af.data, (s % 2 * m + j) * 4, bf.data, ((s % 2 * m + j) * 3 + pc) * 4,
+                              Cc.data, (j * 3 + pc) * 4, T.bool(False))
         if i + 2 < nb:
             T.call_extern("handle", "dsv41c_bar_arrive", 3 + i % 2, nth)
         for e in T.unroll(4):
@@ -1303,7 +1317,7 @@ def _cuda_handoff_prim_func(kind, m, D):
         with T.Kernel(G, T.min(T.ceildiv(N, 16), pmax), threads=nth, prelude=_BAR_PRELUDE) as (bg, bp):
             tx = T.get_thread_binding()
             V = {n: T.view(B[n], (N, *B[n].shape[1:-1], D // 2), "uint32") if n in _STREAMS else B[n] for n in names}
-            Fs = T.alloc_shared((NT, m, KS, 32, 3, 4), "bfloat16")
+            Fs = T.alloc_shared((NT, m, KS, 3, 32, 4), "bfloat16")
             Hs = T.alloc_shared((2, m, KS, 4, 8, 4), "uint32")
             fv = T.alloc_local((4,), "float32")
             pl = T.alloc_local((3, 4), "bfloat16")
@@ -1318,8 +1332,8 @@ def _cuda_handoff_prim_func(kind, m, D):
             xf = T.alloc_local((2,), "float32")
             hv = T.alloc_local((m,), "float32")
             sq = T.alloc_local((2,), "float32")
-            af = T.alloc_local((4,), "uint32")
-            bf = T.alloc_local((3, 4), "bfloat16")
+            af = T.alloc_local((2, m, 4), "uint32")  # A fragments of two k steps
+            bf = T.alloc_local((2, m, 3, 4), "bfloat16")  # fn's B fragments of two k steps
             Cc = T.alloc_local((m * 3 * 4,), "float32")
             tot = T.alloc_local((4,), "float32")
             st = T.alloc_local((4,), "uint32")
@@ -1338,7 +1352,7 @@ def _cuda_handoff_prim_func(kind, m, D):
                             pl[pc, e] = piece
                     for pc in [0, 1, 2]:
                         for e in T.vectorized(4):
-                            Fs[n // 8, j, col // 16, n % 8 * 4 + col % 16 // 4, pc, e] = pl[pc, e]
+                            Fs[n // 8, j, col // 16, pc, n % 8 * 4 + col % 16 // 4, e] = pl[pc, e]
             T.sync_threads()  # fn's slice in Fs
             wp = tx // 32
             lane = tx % 32
