@@ -288,14 +288,16 @@ def _handoff(monkeypatch, kind, prefetch):
 @pytest.mark.parametrize("prefetch", (0, 1))
 @pytest.mark.parametrize("kind", ("pre", "post_pre"))
 def test_cuda_handoff_lowers_for_sm90(kind, prefetch, monkeypatch):
-    """The hand-off kernel (`_cuda_handoff_prim_func`): 8 streaming warps and 3 GEMM warps (352
+    """The hand-off kernel (`_cuda_handoff_prim_func`): 8 streaming warps and 8 GEMM warps (512
     threads) meeting only at named barriers (two full, two empty, each side arrives or syncs, with
-    a compiler barrier), 16-byte stream accesses and shared A loads, 3 pieces of mma.sync per k
-    step, the rounding and exact products of the lockstep kernel."""
+    a compiler barrier; the GEMM warps' own barrier 5 around their sum), 16-byte stream accesses
+    and shared A loads, mma.sync on fn's pieces, the rounding and exact products of the lockstep
+    kernel."""
     _handoff(monkeypatch, kind, prefetch)
     src = _sm90_source(kind, "bfloat16")
-    assert "__launch_bounds__(352, 1)" in src and src.count("tl::mma_sync<") == 1
+    assert "__launch_bounds__(512, 1)" in src and src.count("tl::mma_sync<") == 1
     assert src.count("dsv41c_bar_sync(((i") == 2 and src.count("dsv41c_bar_arrive(((i") == 2
+    assert src.count("dsv41c_bar_sync(5, 256)") == 2
     assert '"memory"' in src and src.count("__syncthreads()") == 1
     assert "*(uint4*)(((uint*)X)" in src and ("*(uint4*)(((uint*)HN)" in src) == (kind == "post_pre")
     assert re.search(r"\*\(uint4\*\)\(af \+ [^;]*\) = \*\(uint4\*\)\(\(\(uint\*\)Hs\)", src)  # A from shared

@@ -128,6 +128,8 @@ _CR_PREFETCH_POST_PRE = 1
 _CR_HANDOFF_PRE = 0
 _CR_HANDOFF_POST_PRE = 0
 _HO_PREFETCH = 1
+_HO_ABLATE = 0  # timing only, the results wrong: 1 GEMM warps skip the GEMM, 2 no GEMM warps and no staging,
+#                  3 the streams not loaded (registers of zeros)
 _SMS = 132  # H200 SMs
 
 
@@ -1139,6 +1141,7 @@ __device__ __forceinline__ void dsv41c_bar_arrive(int id, int n) {
 }
 """
 _HO_STREAM_WARPS = 8  # hand-off kernel: streaming warps, one per token pair (g, g + 8) of a 16-token block
+_HO_GEMM_WARPS = 8  # hand-off kernel: GEMM warps, each on 16 / this many k steps of every stream
 
 
 def _cuda_handoff_prim_func(kind, m, D):
@@ -1154,12 +1157,15 @@ def _cuda_handoff_prim_func(kind, m, D):
       is computed (`_HO_PREFETCH`), forms h_new and x in the reference's order, stores them,
       reduces its sum of squares over the warp into the workspace, and stages h_new in a shared
       double buffer in the mma's A layout.
-    - NT = 3 GEMM warps, warp tn on n8 tile tn of the mixes: per block, 16 k steps of m streams
-      and 3 pieces, A by one 16-byte shared load per step and stream, the next step's loads issued
-      before this step's mma, its 3m accumulators chained 16 deep; the streams' totals added in
-      order with IEEE adds, then written to the workspace.
+    - GW = 8 GEMM warps (`_HO_GEMM_WARPS`), warp w on k steps 2w, 2w + 1 of every stream: per
+      block 2m units of one A fragment (a 16-byte shared load) against fn's 3 pieces x NT n8
+      tiles, the next unit's loads issued before this one's mma; the pieces' accumulators added
+      small first, the warps' partials through shared memory in warp order, then written to the
+      workspace.  (3 warps, one per n8 tile with all 64 k steps each, measured at 28-54% of the
+      bound on an H200, bound by the GEMM: a warp's chain of mma.sync is too slow for one warp
+      to do a block's third.)
     The buffers' hand-off: `full` (barriers 1, 2) streaming warps arrive, GEMM warps sync;
-    `empty` (3, 4) the reverse, from the third block on.
+    `empty` (3, 4) the reverse, from the third block on; barrier 5 is the GEMM warps' own.
 
     Shared layouts.  Step s of stream j covers columns 16s..16s+15; lane (g, c) of an mma takes
     columns 16s + 4c..+3 as its k slots 2c, 2c+1 (word 0) and 2c+8, 2c+9 (word 1).  h_new: [buffer,
@@ -1177,11 +1183,13 @@ def _cuda_handoff_prim_func(kind, m, D):
     src = "RES" if expand else "H"
     KS = W // 16  # k steps per stream
     SW = _HO_STREAM_WARPS
-    nth = (SW + NT) * 32
+    GW = _HO_GEMM_WARPS
+    SPW = KS // GW  # k steps per GEMM warp
+    nth = (SW + GW) * 32
     pmax = max(1, _CR_WAVES * _SMS // G)
     nfv = NT * 8 * m * W // 4  # float4 vectors of fn's slice
     prefetch = bool(_HO_PREFETCH)
-    assert W == 256 and D % W == 0 and ncf <= 32 and SW == 8
+    assert W == 256 and D % W == 0 and ncf <= 32 and SW == 8 and KS % GW == 0
     mul, add = _arith(True)
 
     @T.macro
@@ -1189,7 +1197,7 @@ def _cuda_handoff_prim_func(kind, m, D):
         """Rows g, g + 8 of block blk (zeros past N) into xs, as words, and the lane's coefficient."""
         for r in T.unroll(2):
             t = blk * 16 + g + 8 * r
-            if t < N:
+            if t < N and _HO_ABLATE != 3:
                 for j in rows:
                     for w in T.vectorized(4):
                         xs[r, j, w] = V["Y"][t, c0 + w] if j == m else V[src][t, j, c0 + w]
@@ -1257,6 +1265,8 @@ def _cuda_handoff_prim_func(kind, m, D):
                 sq[r] = sq[r] + T.shfl_xor(sq[r], o)
             if lane == 0 and t < N:
                 B["WS"][bg, t, mix] = sq[r]
+        if _HO_ABLATE == 2:
+            return
         if i >= 2:
             T.call_extern("handle", "dsv41c_bar_sync", 3 + i % 2, nth)  # the GEMM is done with the buffer
         s = lane // 2
@@ -1270,47 +1280,60 @@ def _cuda_handoff_prim_func(kind, m, D):
         T.call_extern("handle", "dsv41c_bar_arrive", 1 + i % 2, nth)
 
     @T.macro
-    def gemm_loads(R, i, s, slot, tn, lane):
-        """k step s of every stream: the A fragments and fn's 3 pieces into register slot `slot`."""
+    def gemm_loads(R, i, u, w, lane):
+        """Unit u of GEMM warp w (k step w * SPW + u // m of stream u % m): its A fragment and fn's
+        3 pieces x NT tiles into register slot u % 2."""
         Fs, Hs, af, bf = R["Fs"], R["Hs"], R["af"], R["bf"]
-        for j in T.unroll(m):
-            for e in T.vectorized(4):
-                af[slot, j, e] = Hs[i % 2, j, s, lane % 4, lane // 4 ^ (s % 8), e]
+        s = w * SPW + u // m
+        for e in T.vectorized(4):
+            af[u % 2, e] = Hs[i % 2, u % m, s, lane % 4, lane // 4 ^ s % 8, e]
+        for tn in T.unroll(NT):
             for pc in T.unroll(3):
                 for e in T.vectorized(4):
-                    bf[slot, j, pc, e] = Fs[tn, j, s, pc, lane, e]
+                    bf[u % 2, tn, pc, e] = Fs[tn, u % m, s, pc, lane, e]
 
     @T.macro
-    def gemm_block(B, R, i, blk, nb, tn, lane, bg):
-        """Block i's mixes for n8 tile tn.  k step s of all m streams at a time (the 3m products of a
-        step go to 3m accumulators, so no two neighbours depend on each other), the next step's
-        shared loads issued before this step's mma."""
-        af, bf, Cc, tot = R["af"], R["bf"], R["Cc"], R["tot"]
+    def gemm_block(B, R, i, blk, nb, w, lane, bg):
+        """Block i's partial mixes over GEMM warp w's k steps, one unit (a k step of one stream)
+        at a time with the next unit's shared loads issued before this one's 3 x NT mma (into 3 NT
+        accumulators, chained SPW * m deep); then the GEMM warps' partials are added in warp order
+        through shared memory and written to the workspace."""
+        af, bf, Cc, Red = R["af"], R["bf"], R["Cc"], R["Red"]
         g = lane // 4
         c = lane % 4
         T.call_extern("handle", "dsv41c_bar_sync", 1 + i % 2, nth)  # the block's h_new staged
-        for k in T.unroll(m * 3 * 4):
+        for k in T.unroll(NT * 3 * 4):
             Cc[k] = T.float32(0)
-        gemm_loads(R, i, 0, 0, tn, lane)
-        for s in T.unroll(KS):
-            if s + 1 < KS:
-                gemm_loads(R, i, s + 1, (s + 1) % 2, tn, lane)
-            for j in T.unroll(m):
-                for pc in T.unroll(3):
-                    T.ptx_mma("float32", "m16n8k16", "row", "col", "bf16", "bf16", "fp32",
-                              af.data, (s % 2 * m + j) * 4, bf.data, ((s % 2 * m + j) * 3 + pc) * 4,
-                              Cc.data, (j * 3 + pc) * 4, T.bool(False))
+        if _HO_ABLATE != 1:
+            gemm_loads(R, i, 0, w, lane)
+            for u in T.unroll(SPW * m):
+                if u + 1 < SPW * m:
+                    gemm_loads(R, i, u + 1, w, lane)
+                for tn in T.unroll(NT):
+                    for pc in T.unroll(3):
+                        T.ptx_mma("float32", "m16n8k16", "row", "col", "bf16", "bf16", "fp32",
+                                  af.data, u % 2 * 4, bf.data, ((u % 2 * NT + tn) * 3 + pc) * 4,
+                                  Cc.data, (tn * 3 + pc) * 4, T.bool(False))
         if i + 2 < nb:
-            T.call_extern("handle", "dsv41c_bar_arrive", 3 + i % 2, nth)
-        for e in T.unroll(4):
-            tot[e] = T.float32(0)
-            for j in T.unroll(m):
-                tot[e] = tot[e] + (Cc[(j * 3 + 2) * 4 + e] + Cc[(j * 3 + 1) * 4 + e] + Cc[(j * 3) * 4 + e])
-        for r in T.unroll(2):
-            t = blk * 16 + g + 8 * r
-            for e in T.unroll(2):
-                if t < N and tn * 8 + 2 * c + e < mix:
-                    B["WS"][bg, t, tn * 8 + 2 * c + e] = tot[r * 2 + e]
+            T.call_extern("handle", "dsv41c_bar_arrive", 3 + i % 2, nth)  # done with the buffer
+        for tn in T.unroll(NT):
+            for r in T.unroll(2):
+                for e in T.unroll(2):
+                    k = tn * 12 + r * 2 + e
+                    Red[w, g + 8 * r, tn * 8 + 2 * c + e] = Cc[k + 8] + Cc[k + 4] + Cc[k]
+        T.call_extern("handle", "dsv41c_bar_sync", 5, GW * 32)  # every GEMM warp's partials in Red
+        q = w * 32 + lane
+        for v in T.unroll(-(-16 * mix // (GW * 32))):
+            if v * GW * 32 + q < 16 * mix:
+                row = (v * GW * 32 + q) // mix
+                col = (v * GW * 32 + q) % mix
+                acc = T.alloc_var("float32")
+                acc = Red[0, row, col]
+                for ww in T.unroll(1, GW):
+                    acc = acc + Red[ww, row, col]
+                if blk * 16 + row < N:
+                    B["WS"][bg, blk * 16 + row, col] = acc
+        T.call_extern("handle", "dsv41c_bar_sync", 5, GW * 32)  # Red read: free for the next block
 
     @T.macro
     def body(B):
@@ -1332,10 +1355,10 @@ def _cuda_handoff_prim_func(kind, m, D):
             xf = T.alloc_local((2,), "float32")
             hv = T.alloc_local((m,), "float32")
             sq = T.alloc_local((2,), "float32")
-            af = T.alloc_local((2, m, 4), "uint32")  # A fragments of two k steps
-            bf = T.alloc_local((2, m, 3, 4), "bfloat16")  # fn's B fragments of two k steps
-            Cc = T.alloc_local((m * 3 * 4,), "float32")
-            tot = T.alloc_local((4,), "float32")
+            af = T.alloc_local((2, 4), "uint32")  # A fragments of two units
+            bf = T.alloc_local((2, NT, 3, 4), "bfloat16")  # fn's B fragments of two units
+            Cc = T.alloc_local((NT * 3 * 4,), "float32")
+            Red = T.alloc_shared((GW, 16, NT * 8 + 1), "float32")
             st = T.alloc_local((4,), "uint32")
             # fn's slice -> three bf16 pieces (docstring layout); column col = 16s + 4c + e
             for it in T.unroll(-(-nfv // nth)):
@@ -1361,13 +1384,13 @@ def _cuda_handoff_prim_func(kind, m, D):
             nb = T.ceildiv(NB - bp, PV)
             c0 = bg * (W // 2) + lane * 4  # the lane's first word of a row
             R = {"Fs": Fs, "Hs": Hs, "xl": xl, "xn": xn, "cl": cl, "cn": cn, "co": co, "hw": hw, "xo": xo,
-                 "hf": hf, "xf": xf, "hv": hv, "sq": sq, "af": af, "bf": bf, "Cc": Cc, "tot": tot, "st": st, "PV": PV}
+                 "hf": hf, "xf": xf, "hv": hv, "sq": sq, "af": af, "bf": bf, "Cc": Cc, "Red": Red, "st": st, "PV": PV}
             if wp < SW:
                 if prefetch:
                     load_rows(V, xn, cn, bp, wp, lane, c0)
                 for i in T.serial(nb):
                     stream_block(B, V, R, i, bp + i * PV, nb, wp, lane, bg, c0)
-            else:
+            elif _HO_ABLATE != 2:
                 for i in T.serial(nb):
                     gemm_block(B, R, i, bp + i * PV, nb, wp - SW, lane, bg)
 
