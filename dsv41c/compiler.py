@@ -423,6 +423,7 @@ class ObservedPass(GraphPass):
         super().__init__(**inner.options)
         self.inner, self.log, self.first, self.keep_code = inner, log, first, keep_code
         self.name = inner.name
+        self.inductor_config = inner.inductor_config  # what the pass needs of Inductor (online softmax off)
         self.graphs = 0
 
     def _record(self, graph: fx.Graph, stage: str) -> None:

@@ -253,6 +253,17 @@ def test_pipelines_with_lower_mhc_keep_softmax_unfused():
     assert "online_softmax" not in inductor_options(PassPipeline([FuseSiblingLinears()]))
 
 
+def test_observed_pipelines_keep_softmax_unfused():
+    """`observe` (the CLI's `dsv41c compile` always observes) wraps each pass to record the graph;
+    the wrapper must ask Inductor for what the pass needs. It did not, and on an H200 the CLI's
+    prefill then failed in lower_mhc: the online softmax had split the Sinkhorn out of its site."""
+    from dsv41c.compiler import inductor_options
+    model = dsv41c.build_model(dsv41c.ModelArgs.from_json(ROOT / "configs" / "tiny.json"), seed=0)
+    for observe in (False, True):
+        compiled = dsv41c.compile(model, ("fuse_wqa_wkv", "lower_mhc"), observe=observe)
+        assert inductor_options(compiled.pipeline)["online_softmax"] is False, observe
+
+
 def test_unbound_pass_is_an_error():
     with pytest.raises(Exception, match="no model bound"):
         compile_streams(Streams().eval(), PassPipeline([LowerMHC()]))
