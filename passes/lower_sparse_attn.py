@@ -30,7 +30,7 @@ Before (one layer, fp32, simplified):              After:
     o  = div(bmm(exp(sub(l, m)), g), add(sum(..), exp(sub(sink, m))))
 
 A site the kernels cannot take (fp32 on CUDA, whose build is bf16 only; rows in another dtype than
-q) stays as torch ops: it is reported in the stats and warned about, and strict mode makes it an
+q; packed rows of a head dim the packed build does not take, e.g. tiny's 64 on CUDA) stays as torch ops: it is reported in the stats and warned about, and strict mode makes it an
 error naming the site.
 """
 from __future__ import annotations
@@ -114,6 +114,10 @@ class LowerSparseAttn(ModelPass):
                     raise Mismatch(f"rows are {kvv.dtype}, q is {qv.dtype}")
                 target, args = torch.ops.dsv41c.sparse_attn.default, (q, kv, sink, idx, scale)
             else:
+                from dsv41c.tilelang_kernels.attention import packed_head_dim_problem  # (loaded: kernel_modules)
+                problem = packed_head_dim_problem(qv.shape[-1], qv.device.type == "cuda")
+                if problem is not None:  # the site keeps fp4_kv's dequantised rows
+                    raise Mismatch(f"packed rows: {problem}")
                 window, window_scales, cc, cs = packed
                 if cc is None:  # no compressed rows: empty uint8 views of the ring's codes
                     d = kvv.shape[-1]

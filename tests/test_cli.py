@@ -257,6 +257,9 @@ def test_compile_fp4_kv_with_kv_quant_in_bf16(one_layer):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_compile_every_pass_with_cudagraphs_on_cuda(one_layer):
+    """The CLI's graphed compile on CUDA with every pass, bf16 and packed caches. At tiny's head dim
+    (64) the packed attention has no CUDA build, so lower_sparse_attn leaves those sites to fp4_kv's
+    dequantised rows (warned); the rest lowers."""
     result = compile_cli("--config", str(one_layer), "--device", "cuda", "--dtype", "bfloat16", "--kv-quant",
                          "--cudagraphs", *(a for p in EVERY_PASS for a in ("--pass", p)),
                          "--prompt-len", "5", "--decode-steps", "4")

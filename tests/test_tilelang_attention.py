@@ -473,3 +473,13 @@ def test_opcheck_gpu():
     with pytest.raises(ValueError, match="multiple of 128"):
         A.sparse_attn_packed(q64, args[1][..., :64].contiguous(), args[2][..., :2].contiguous(),
                              args[3][..., :32].contiguous(), args[4][..., :4].contiguous(), args[5], args[6], 0.125)
+
+
+def test_packed_head_dims():
+    """What `sparse_attn_packed` takes, in one place for the op and lower_sparse_attn (which leaves
+    a site it cannot take to fp4_kv's dequantised rows): 32-multiples on the CPU build, 128-multiples
+    on CUDA (tiny's 64 is CPU-only)."""
+    from dsv41c.tilelang_kernels.attention import packed_head_dim_problem
+    assert packed_head_dim_problem(64, cuda=False) is None and packed_head_dim_problem(512, cuda=True) is None
+    assert "128" in packed_head_dim_problem(64, cuda=True)
+    assert "32" in packed_head_dim_problem(48, cuda=False) and "32" in packed_head_dim_problem(48, cuda=True)

@@ -80,8 +80,8 @@ from dsv41c.attention import sparse_attn as sparse_attn_ref
 from dsv41c.tilelang_kernels.quant import (_bits, _e2m1_value, _e4m3_value, _e8m0_value, _store, compile_for,
                                             define_op, kernel_target, rows_buffer)
 
-__all__ = ["BLOCK", "KINDS", "attention_prim_func", "build", "combine_prim_func", "num_splits", "sparse_attn",
-           "sparse_attn_packed", "sparse_attn_packed_ref", "sparse_attn_ref"]
+__all__ = ["BLOCK", "KINDS", "attention_prim_func", "build", "combine_prim_func", "num_splits",
+           "packed_head_dim_problem", "sparse_attn", "sparse_attn_packed", "sparse_attn_packed_ref", "sparse_attn_ref"]
 
 BLOCK = 64  # list entries per online-softmax step (§6.8)
 KINDS = ("plain", "packed_rows", "packed_fp8")  # kv rows; packed with a plain window; packed with an FP8 ring
@@ -670,11 +670,21 @@ def _sparse_attn(q, kv, sink, idx, scale):
     return _run("plain", q, (kv,), sink, idx, scale)
 
 
+def packed_head_dim_problem(d: int, cuda: bool) -> str | None:
+    """Why `sparse_attn_packed` cannot take head dim d (on CUDA, or the CPU build), else None: the
+    packed formats' scale blocks need a multiple of 32, the CUDA build's tiles a multiple of 128."""
+    if d % 32:
+        return f"d must be a multiple of 32 for the packed formats, got {d}"
+    if cuda and d % 128:
+        return f"the CUDA build needs d a multiple of 128 for the packed formats, got {d}"
+    return None
+
+
 def _sparse_attn_packed(q, window, window_scales, comp_codes, comp_scales, sink, idx, scale):
     op = "sparse_attn_packed"
     b, s, h, d = _check_common(op, q, sink, idx)
-    if d % 32:
-        raise ValueError(f"{op}: d must be a multiple of 32 for the packed formats, got {d}")
+    if (problem := packed_head_dim_problem(d, q.is_cuda)) is not None:
+        raise ValueError(f"{op}: {problem}")
     n_w = window.shape[1] if window.dim() == 3 else -1
     if window_scales is None:
         _want(op, "window", window, q.dtype, (b, None, d), q.device)
@@ -683,8 +693,6 @@ def _sparse_attn_packed(q, window, window_scales, comp_codes, comp_scales, sink,
         _want(op, "window", window, torch.uint8, (b, None, d), q.device)
         _want(op, "window_scales", window_scales, torch.uint8, (b, n_w, d // 32), q.device)
         kind, srcs = "packed_fp8", (window, window_scales)
-    if q.is_cuda and d % 128:
-        raise ValueError(f"{op}: the CUDA build needs d a multiple of 128 for the packed formats, got {d}")
     _want(op, "comp_codes", comp_codes, torch.uint8, (b, None, d // 2), q.device)
     _want(op, "comp_scales", comp_scales, torch.uint8, (b, comp_codes.shape[1], d // 16), q.device)
     return _run(kind, q, (*srcs, comp_codes, comp_scales), sink, idx, scale)
