@@ -30,7 +30,8 @@ Before (one layer, fp32, simplified):              After:
     o  = div(bmm(exp(sub(l, m)), g), add(sum(..), exp(sub(sink, m))))
 
 A site the kernels cannot take (fp32 on CUDA, whose build is bf16 only; rows in another dtype than
-q; packed rows of a head dim the packed build does not take, e.g. tiny's 64 on CUDA) stays as torch ops: it is reported in the stats and warned about, and strict mode makes it an
+q; packed rows of a head dim the packed build does not take, e.g. tiny's 64 on CUDA) stays as
+torch ops: it is reported in the stats and warned about, and strict mode makes it an
 error naming the site.
 """
 from __future__ import annotations

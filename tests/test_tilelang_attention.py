@@ -248,6 +248,34 @@ def test_lower_sparse_attn_pass():
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5, msg=f"seed {seed}")
 
 
+def test_lower_sparse_attn_leaves_packed_rows_it_cannot_take(monkeypatch):
+    """Packed rows of a head dim the packed build does not take (on CUDA: not a multiple of 128,
+    as tiny's 64) stay as torch ops on fp4_kv's dequantised rows, with a warning, and still compute
+    what eager does; the plain site is lowered as usual. Stands in for CUDA on the CPU by making
+    every head dim unsupported."""
+    from dsv41c.compiler import dynamo_backend, inductor_options
+
+    monkeypatch.setattr(A, "packed_head_dim_problem", lambda d, cuda: f"no packed build for d={d} here")
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    h, d, n_w, n_c = 4, D_CPU, 10, 30
+    model = ThreeAttentions(h, d)
+    pipe = PassPipeline([LowerSparseAttn()])
+    pipe.bind(model)
+    q, kv = torch.randn(2, 3, h, d, generator=g), torch.randn(2, n_w, d, generator=g)
+    wc, ws = Q.fp8_quant_ref(torch.randn(2, n_w, d, generator=g))
+    cc, cs = Q.fp4_e4m3_quant_ref(torch.randn(2, n_c, d, generator=g))
+    idx, idx_w = make_idx(2, 3, 70, n_w + n_c, g), make_idx(2, 3, 20, n_w, g)
+    fn = torch.compile(model, backend=dynamo_backend("passes_only"), fullgraph=True, dynamic=True)
+    left = r"2 site.* left as torch ops.*packed rows: no packed build for d=\d+"
+    with pytest.warns(UserWarning, match=left), torch.no_grad(), torch._inductor.config.patch(inductor_options(pipe)):
+        out = fn(q, kv, wc, ws, cc, cs, idx, idx_w)
+    ref = model(q, kv, wc, ws, cc, cs, idx, idx_w)
+    stats = pipe.stats["lower_sparse_attn"]
+    assert [x for x in stats.details if not x.startswith("left: ")] == ["sparse_attn at plain"], stats.details
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5, msg=f"seed {seed}")
+
+
 def test_lower_sparse_attn_strict_failure():
     """An fp32 site whose rows are bf16 is left as torch ops: an error in strict mode."""
     from dsv41c.compiler import dynamo_backend, inductor_options
