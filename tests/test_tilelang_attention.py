@@ -223,25 +223,29 @@ class ThreeAttentions(nn.Module):
         return self.plain(q, kv, idx_w) + self.packed(2 * q, rows, idx) + self.ring(q, ring, idx_w)
 
 
+def three_attentions_inputs(h, d, seed, n_w=10, n_c=30):
+    """ThreeAttentions' inputs: batch 2, 3 queries, n_w plain/window rows and n_c compressed rows."""
+    g = torch.Generator().manual_seed(seed)
+    q, kv = torch.randn(2, 3, h, d, generator=g), torch.randn(2, n_w, d, generator=g)
+    wc, ws = Q.fp8_quant_ref(torch.randn(2, n_w, d, generator=g))
+    cc, cs = Q.fp4_e4m3_quant_ref(torch.randn(2, n_c, d, generator=g))
+    return q, kv, wc, ws, cc, cs, make_idx(2, 3, 70, n_w + n_c, g), make_idx(2, 3, 20, n_w, g)
+
+
 def test_lower_sparse_attn_pass():
     """Each eager sparse_attn site becomes one kernel call (the packed ones read the bytes), and
     the lowered graph computes what eager does."""
     from dsv41c.compiler import dynamo_backend, inductor_options
 
     seed = fresh_seed()
-    g = torch.Generator().manual_seed(seed)
-    h, d, n_w, n_c = 4, D_CPU, 10, 30
-    model = ThreeAttentions(h, d)
+    model = ThreeAttentions(4, D_CPU)
     pipe = PassPipeline([LowerSparseAttn()], strict=True)
     pipe.bind(model)
-    q, kv = torch.randn(2, 3, h, d, generator=g), torch.randn(2, n_w, d, generator=g)
-    wc, ws = Q.fp8_quant_ref(torch.randn(2, n_w, d, generator=g))
-    cc, cs = Q.fp4_e4m3_quant_ref(torch.randn(2, n_c, d, generator=g))
-    idx, idx_w = make_idx(2, 3, 70, n_w + n_c, g), make_idx(2, 3, 20, n_w, g)
+    args = three_attentions_inputs(4, D_CPU, seed)
     fn = torch.compile(model, backend=dynamo_backend("passes_only"), fullgraph=True, dynamic=True)
     with torch.no_grad(), torch._inductor.config.patch(inductor_options(pipe)):
-        out = fn(q, kv, wc, ws, cc, cs, idx, idx_w)
-        ref = model(q, kv, wc, ws, cc, cs, idx, idx_w)
+        out = fn(*args)
+        ref = model(*args)
     stats = pipe.stats["lower_sparse_attn"]
     assert sorted(stats.details) == ["sparse_attn at plain", "sparse_attn_packed at packed",
                                      "sparse_attn_packed at ring"], stats.details
@@ -257,20 +261,15 @@ def test_lower_sparse_attn_leaves_packed_rows_it_cannot_take(monkeypatch):
 
     monkeypatch.setattr(A, "packed_head_dim_problem", lambda d, cuda: f"no packed build for d={d} here")
     seed = fresh_seed()
-    g = torch.Generator().manual_seed(seed)
-    h, d, n_w, n_c = 4, D_CPU, 10, 30
-    model = ThreeAttentions(h, d)
+    model = ThreeAttentions(4, D_CPU)
     pipe = PassPipeline([LowerSparseAttn()])
     pipe.bind(model)
-    q, kv = torch.randn(2, 3, h, d, generator=g), torch.randn(2, n_w, d, generator=g)
-    wc, ws = Q.fp8_quant_ref(torch.randn(2, n_w, d, generator=g))
-    cc, cs = Q.fp4_e4m3_quant_ref(torch.randn(2, n_c, d, generator=g))
-    idx, idx_w = make_idx(2, 3, 70, n_w + n_c, g), make_idx(2, 3, 20, n_w, g)
+    args = three_attentions_inputs(4, D_CPU, seed)
     fn = torch.compile(model, backend=dynamo_backend("passes_only"), fullgraph=True, dynamic=True)
     left = r"2 site.* left as torch ops.*packed rows: no packed build for d=\d+"
     with pytest.warns(UserWarning, match=left), torch.no_grad(), torch._inductor.config.patch(inductor_options(pipe)):
-        out = fn(q, kv, wc, ws, cc, cs, idx, idx_w)
-    ref = model(q, kv, wc, ws, cc, cs, idx, idx_w)
+        out = fn(*args)
+    ref = model(*args)
     stats = pipe.stats["lower_sparse_attn"]
     assert [x for x in stats.details if not x.startswith("left: ")] == ["sparse_attn at plain"], stats.details
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5, msg=f"seed {seed}")
