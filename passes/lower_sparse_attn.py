@@ -106,6 +106,10 @@ class LowerSparseAttn(ModelPass):
         if qv.device.type == "cuda" and qv.dtype != torch.bfloat16:
             raise Mismatch("the CUDA build takes bf16 only")
         packed = _packed_rows(kv, qv.dtype)
+        if packed is not None:  # checked before any node is added: a site left keeps fp4_kv's dequantised rows
+            from dsv41c.tilelang_kernels.attention import packed_head_dim_problem  # (loaded: kernel_modules)
+            if (problem := packed_head_dim_problem(qv.shape[-1], qv.device.type == "cuda")) is not None:
+                raise Mismatch(f"packed rows: {problem}")
         with graph.inserting_before(out):
             if _val(sink).dim() != 1:  # freezing folds sink.float().view(1, 1, H) into a constant
                 sink = graph.call_function(torch.ops.aten.reshape.default, (sink, [_val(sink).shape[-1]]))
@@ -115,10 +119,6 @@ class LowerSparseAttn(ModelPass):
                     raise Mismatch(f"rows are {kvv.dtype}, q is {qv.dtype}")
                 target, args = torch.ops.dsv41c.sparse_attn.default, (q, kv, sink, idx, scale)
             else:
-                from dsv41c.tilelang_kernels.attention import packed_head_dim_problem  # (loaded: kernel_modules)
-                problem = packed_head_dim_problem(qv.shape[-1], qv.device.type == "cuda")
-                if problem is not None:  # the site keeps fp4_kv's dequantised rows
-                    raise Mismatch(f"packed rows: {problem}")
                 window, window_scales, cc, cs = packed
                 if cc is None:  # no compressed rows: empty uint8 views of the ring's codes
                     d = kvv.shape[-1]
