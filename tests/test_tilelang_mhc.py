@@ -280,6 +280,42 @@ def test_cuda_column_resident_tunings_lower_for_sm90(kind, groups, prefetch, mon
     assert bool(re.search(r"\bxl\[[^;]*\] = xn\[", src)) == bool(prefetch)
 
 
+WG_TUNINGS = ({}, {"_WG_KSPLIT": 2}, {"_WG_TPW": 2}, {"_WG_PREFETCH": 0}, {"_WG_BLK": 24, "_WG_TPW": 3},
+              {"_WG_SPEC": 1, "_WG_TPW": 2}, {"_WG_SPEC": 1})
+
+
+def _wg_tuning(monkeypatch, **tuning):
+    monkeypatch.setattr(K, "_WG", 1)
+    for name, value in tuning.items():
+        monkeypatch.setattr(K, name, value)
+
+
+@pytest.mark.parametrize("tuning", WG_TUNINGS, ids=lambda t: ",".join(f"{k}={v}" for k, v in t.items()) or "default")
+@pytest.mark.parametrize("kind", ("pre", "post_pre"))
+def test_cuda_wgmma_kernel_lowers_for_sm90(kind, tuning, monkeypatch):
+    """The wgmma mixing kernel (`_WG`) lowers for every tuning: the streams as 16-byte vectors of
+    bf16 pairs, fn^T and h^T as shared-memory wgmma operands (the k steps of a block in one loop of
+    wgmma m64nBLKk16, one commit, the wait behind a branch on a warp-uniform warpgroup index), no
+    mma.sync, and no barrier of TileLang's own."""
+    _wg_tuning(monkeypatch, **tuning)
+    src = _sm90_source(kind, "bfloat16")
+    blk = K._WG_BLK
+    assert f"wgmma.mma_async.sync.aligned.m64n{blk}k16.f32.bf16.bf16" in src
+    body = src[src.index("__global__ void __launch_bounds__"):]
+    assert body.count(f"dsv41c_wgmma_n{blk}(") == 1 and body.count("dsv41c_wgmma_commit()") == 1
+    assert "__shfl_sync((uint)4294967295, (((int)threadIdx.x) >> 7), 0)" in body
+    threads = 32 * blk // K._WG_TPW + 128 * K._WG_SPEC
+    assert f"__launch_bounds__({threads}, 1)" in body
+    assert "tl::mma_sync<" not in src and "*(uint4*)(((uint*)X)" in src
+    assert ("*(uint4*)(((uint*)HN)" in src) == (kind == "post_pre")
+    if K._WG_SPEC:  # the GEMM warpgroup meets the streaming warps at one named barrier per block
+        assert body.count("__syncthreads()") == 1 and body.count(f"__sync_thread_partial(1, {threads})") == 2
+        # with 8 streaming warps, registers move from the GEMM warpgroup to them
+        assert ("dsv41c_setmaxnreg_dec" in body) == ("dsv41c_setmaxnreg_inc" in body) == (threads == 384)
+    else:
+        assert body.count("__syncthreads()") == (2 if K._WG_PREFETCH else 3)
+
+
 def test_cuda_post_collapse_lowers_for_sm90():
     """The flat post_collapse kernel: 16-byte loads and stores, no shared memory, no barrier."""
     src = _sm90_source("post_collapse", "bfloat16")
@@ -323,6 +359,25 @@ def test_cuda_column_resident_tunings_match_refs(kind, groups, prefetch, monkeyp
     try:
         for n in (1, 7, 77, 4099):
             check(kind, torch.bfloat16, n, 5120, "cuda")
+    finally:
+        K.build.cache_clear()
+        K._plan.cache_clear()
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("tuning", WG_TUNINGS, ids=lambda t: ",".join(f"{k}={v}" for k, v in t.items()) or "default")
+@pytest.mark.parametrize("kind", ("pre", "post_pre"))
+def test_cuda_wgmma_kernel_matches_refs(kind, tuning, monkeypatch):
+    """The wgmma mixing kernel against the refs: D = 5120 and (the default tuning) 512, T up to
+    4099 (a last block of 3 tokens; 77: blocks past the last one in some CTAs)."""
+    _wg_tuning(monkeypatch, **tuning)
+    K.build.cache_clear()
+    K._plan.cache_clear()
+    try:
+        for d in (5120, 512) if not tuning else (5120,):
+            for n in (1, 7, 77, 4096, 4099) if not tuning else (7, 4099):
+                check(kind, torch.bfloat16, n, d, "cuda")
     finally:
         K.build.cache_clear()
         K._plan.cache_clear()

@@ -123,6 +123,17 @@ _CR_PREFETCH_PRE = 0
 _CR_GROUPS_POST_PRE = 1
 _CR_PREFETCH_POST_PRE = 1
 _SMS = 132  # H200 SMs
+# CUDA wgmma mixing kernel (`_cuda_wg_prim_func`, bf16 streams, D a multiple of 256, m <= 4): on (1)
+# or off (0, the column-resident kernel); tokens per block (the wgmma N); tokens per warp and block;
+# accumulators the k steps are split over; the next block loaded while this one is computed
+_WG = 1
+_WG_BLK = 16
+_WG_TPW = 2
+_WG_KSPLIT = 4
+_WG_PREFETCH = 1
+_WG_GEMM_REGS = 88  # with _WG_SPEC: registers per thread of the GEMM warpgroup (setmaxnreg)
+_WG_SPEC = 1  # a warpgroup of its own issues the wgmma (the streaming warps never wait for them)
+_WG_ABLATE = 0  # timing only, the mixes wrong: 1 no wgmma, 2 nor the B tile's stores, 3 nor the block barrier
 
 
 def column_resident(kind: str, dtype: str, D: int) -> bool:
@@ -358,7 +369,8 @@ def mhc_prim_funcs(kind, dtype, m, D, norm_eps, hc_eps, iters, target):
     if kind == "post_collapse":
         return [_cuda_stream_prim_func(dtype, m, D)]
     if column_resident(kind, dtype, D):
-        main = _cuda_colres_prim_func(kind, m, D)
+        wg = _WG and 2 * m + m * m <= 24
+        main = (_cuda_wg_prim_func if wg else _cuda_colres_prim_func)(kind, m, D)
     else:
         main = _cuda_mixes_prim_func(kind, dtype, m, D)
     return [main,
@@ -1119,6 +1131,368 @@ def _cuda_colres_prim_func(kind, m, D):
                 block(B, V, R, i, xl, xn, *args)
 
     return names, _prim_func(names, S, body).with_attr(NO_SYNC_ATTR, 1)  # it places all its barriers
+
+
+# CUDA, sm_90a: raw shared-memory stores, GMMA descriptors and wgmma for the wgmma mixing kernel
+# (`_cuda_wg_prim_func`); every shared address is taken from the kernel's raw buffer `p` and
+# rounded up to 1024 bytes (the 128-byte swizzle repeats every 8 rows of 128 B)
+_WGMMA_PRELUDE = """
+__device__ __forceinline__ unsigned dsv41c_sbase(const void* p) {
+  return (static_cast<unsigned>(__cvta_generic_to_shared(p)) + 1023u) & ~1023u;
+}
+__device__ __forceinline__ void dsv41c_sts128(const void* p, unsigned off, unsigned a, unsigned b, unsigned c,
+                                              unsigned d) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" :: "r"(dsv41c_sbase(p) + off), "r"(a), "r"(b), "r"(c),
+               "r"(d) : "memory");
+}
+__device__ __forceinline__ void dsv41c_sts64(const void* p, unsigned off, unsigned a, unsigned b) {
+  asm volatile("st.shared.v2.b32 [%0], {%1, %2};" :: "r"(dsv41c_sbase(p) + off), "r"(a), "r"(b) : "memory");
+}
+// K-major operand, 128-byte swizzle: start address >> 4, leading offset unused (1), 1024 B between
+// groups of 8 rows, layout type 1 (B128) in bits 62-63
+__device__ __forceinline__ unsigned long long dsv41c_desc(const void* p, unsigned off) {
+  return (unsigned long long)(((dsv41c_sbase(p) + off) & 0x3FFFFu) >> 4) | (1ull << 16) | (64ull << 32)
+         | (1ull << 62);
+}
+__device__ __forceinline__ void dsv41c_fence_async() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+__device__ __forceinline__ void dsv41c_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void dsv41c_wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void dsv41c_wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+"""
+
+
+def _wgmma_fn(n: int) -> str:
+    """`dsv41c_wgmma_n<n>(d, p, a_off, b_off, acc)`: one wgmma m64n<n>k16, bf16 operands from shared
+    memory (descriptors at offsets a_off, b_off of `p`), fp32 accumulator d[0 : n / 2]; acc = 0
+    overwrites d."""
+    k = n // 2
+    outs = ", ".join(f"%{i}" for i in range(k))
+    cons = ", ".join(f'"+f"(d[{i}])' for i in range(k))
+    return f"""
+__device__ __forceinline__ void dsv41c_wgmma_n{n}(float* d, const void* p, unsigned a_off, unsigned b_off, int acc) {{
+  unsigned long long da = dsv41c_desc(p, a_off), db = dsv41c_desc(p, b_off);
+  asm volatile("{{\\n.reg .pred q;\\nsetp.ne.b32 q, %{k + 2}, 0;\\n"
+               "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{outs}}}, %{k}, %{k + 1}, q, 1, 1, 0, 0;\\n}}"
+               : {cons} : "l"(da), "l"(db), "r"(acc) : "memory");
+}}
+"""
+
+
+def _cuda_wg_prim_func(kind, m, D):
+    """The wgmma mixing kernel for bf16 streams (`_WG`; module docstring, CUDA step 1).
+
+    Grid (G = D / W column groups, P token groups), W = `_CR_W` = 256 columns of every stream per
+    CTA, blocks of BLK = `_WG_BLK` tokens, BLK / `_WG_TPW` warps.  The streams take the flat
+    kernel's access pattern: a warp works on whole tokens, lane L on columns 8L .. 8L + 7 of the
+    CTA's group, so each warp-wide 16-byte access is the group's 512 contiguous bytes of one row.
+    h_new (post_pre) and x are formed in the reference's order, as in the column-resident kernel.
+    The mixes GEMM is transposed, mixes^T [rows, BLK] = fn^T [rows, k] x h^T [k, BLK], so the
+    tokens are the wgmma's N and the block can be small: fn's slice stays in shared memory as the A
+    operand (K-major, 128-byte swizzle) for every token the CTA sees, as two bf16 pieces (hi + mid,
+    fn to about 2^-17 relative) in rows 16 w + 8 h + g for coefficient n = 8 w + g and piece h, so
+    a thread's accumulator holds both pieces of its coefficient (m = 4: 24 coefficients in 48 rows;
+    rows 48-63 read the next k block's rows and are never used).  Each warp writes its tokens' h_new
+    into the block's B tile (K-major, 128-byte swizzle, double buffered), then one CTA barrier, and
+    the first warpgroup issues the block's 64 wgmma m64nBLKk16 (k split into `_WG_KSPLIT`
+    accumulators, each from zero, added with IEEE adds) and goes on streaming; it waits for them
+    at the next block's barrier, and writes the block's mixes and sums of squares to the workspace
+    [G, T, 32] for the finalize kernel."""
+    expand = kind == "post_pre"
+    names = _PARAMS[kind, "main"]
+    W, BLK, TPW, KS = _CR_W, _WG_BLK, _WG_TPW, _WG_KSPLIT
+    NWp = BLK // TPW  # streaming warps
+    nst = 32 * NWp
+    spec = bool(_WG_SPEC)
+    gw = NWp // 4 if spec else 0  # the warpgroup that issues the wgmma
+    nth = nst + 128 * spec
+    G = D // W
+    S, N = _buffers(names, "bfloat16", m, D, G)
+    mix = 2 * m + m * m
+    NTW = -(-mix // 8)  # accumulator warps holding coefficients
+    K = m * W  # GEMM k per CTA
+    steps = K // 16
+    assert W == 256 and D % W == 0 and mix <= 24 and BLK % 8 == 0 and BLK % TPW == 0 and NWp >= 4
+    assert steps % KS == 0 and (not spec or NWp % 4 == 0)
+    # registers per thread with a GEMM warpgroup: the launch's share, then _WG_GEMM_REGS for the
+    # GEMM warpgroup and the rest to the streaming warps (setmaxnreg), a multiple of 8 up to 248
+    r0 = min(255, 65536 // nth) // 8 * 8
+    r_st = min(248, (r0 * nth - 128 * _WG_GEMM_REGS) // nst // 8 * 8)
+    a_kb = 48 * 128  # bytes of one 64-k block of fn^T (48 rows; the wgmma's rows 48-63 overlap the next)
+    a_bytes = steps // 4 * a_kb + 2048  # + the last block's overlap
+    b_kb = BLK * 128
+    b_bytes = steps // 4 * b_kb
+    smem = 1024 + a_bytes + 2 * b_bytes  # + the rounding up to 1024
+    ncf = (m + m * m if expand else 0) + m  # per-token coefficients: post, comb, pre_delayed
+    rows = list(range(m + 1 if expand else m))
+    src = "RES" if expand else "H"
+    pmax = max(1, _CR_WAVES * _SMS // G)
+    nfv = mix * m * W // 4  # float4 vectors of fn's slice
+    prefetch = bool(_WG_PREFETCH)
+    ncv = -(-BLK * ncf // nst)
+    mul, add = _arith(True)
+    prelude = _PACK_BF16X2 + _WGMMA_PRELUDE + _wgmma_fn(BLK) + "".join(
+        f"""
+__device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("setmaxnreg.{op}.sync.aligned.u32 {r};"); }}
+""" for op, r in (("dec", _WG_GEMM_REGS), ("inc", r_st)))
+    nacc = BLK // 2  # accumulator registers of one wgmma
+
+    def Cos_of(R):
+        return R["Cos"]
+
+    assert prefetch or not spec, "the GEMM warpgroup needs the streams loaded a block ahead"
+
+    def b_off(buf, r, j, lane):
+        """Byte offset of the 16 bytes of token row r, stream j, columns 8 lane .. 8 lane + 7 in B tile buf."""
+        kb = j * (W // 64) + lane // 8
+        return a_bytes + buf * b_bytes + kb * b_kb + r * 128 + ((lane % 8) ^ (r % 8)) * 16
+
+    @T.macro
+    def load_streams(V, xs, blk, q, cw):
+        """The warp's tokens of block blk (zeros past N), words cw .. cw + 3 of each row, into xs."""
+        for u in T.unroll(TPW):
+            t = blk * BLK + q * TPW + u
+            if t < N:
+                for j in rows:
+                    for w in T.vectorized(4):
+                        xs[u, j, w] = V["Y"][t, cw + w] if j == m else V[src][t, j, cw + w]
+            else:
+                for j in rows:
+                    for w in T.unroll(4):
+                        xs[u, j, w] = T.uint32(0)
+
+    @T.macro
+    def fetch_coefs(B, cv, blk, tx):
+        for v in T.unroll(ncv):
+            k = (v * nst + tx) % ncf
+            t = blk * BLK + (v * nst + tx) // ncf
+            ok = (t < N) & (v * nst + tx < BLK * ncf)
+            if expand:
+                cv[v] = T.if_then_else(
+                    ok, T.if_then_else(
+                        k < m, B["PIN"][T.min(t, N - 1), T.min(k, m - 1)], T.if_then_else(
+                            k < m + m * m, B["CIN"][T.min(t, N - 1), T.max(k - m, 0) // m % m, T.max(k - m, 0) % m],
+                            B["PD"][T.min(t, N - 1), T.max(k - m - m * m, 0) % m])), T.float32(0))
+            else:
+                cv[v] = T.if_then_else(ok, B["PD"][T.min(t, N - 1), k], T.float32(0))
+
+    @T.macro
+    def stash_coefs(Cos, buf, cv, tx):
+        for v in T.unroll(ncv):
+            if v * nst + tx < BLK * ncf:
+                Cos[buf, (v * nst + tx) // ncf, (v * nst + tx) % ncf] = cv[v]
+
+    @T.macro
+    def compute(V, R, blk, buf, xl, q, lane, cw, sm):
+        """The warp's tokens of block blk: h_new and x stored, h_new into B tile buf, squares into SQ."""
+        Cos, SQ, ol, xo, hf, xf, hv, sq = R["Cos"], R["SQ"], R["ol"], R["xo"], R["hf"], R["xf"], R["hv"], R["sq"]
+        for u in T.unroll(TPW):
+            r = q * TPW + u
+            t = blk * BLK + r
+            sq[0] = T.float32(0)
+            for w in T.unroll(4):
+                if expand:
+                    for h in [0, 1]:
+                        for j, hj in enumerate(_expand_exprs(
+                                m, lambda coef: Cos[buf, r, coef],  # noqa: B023
+                                lambda src_row: _bf16_half(xl[u, src_row, w], h),  # noqa: B023
+                                mul, add)):
+                            hf[j, h] = hj
+                    for j in T.unroll(m):
+                        ol[j, w] = T.call_extern("uint32", "dsv41c_pack_bf16x2", hf[j, 0], hf[j, 1])
+                else:
+                    for j in T.unroll(m):
+                        ol[j, w] = xl[u, j, w]
+                for h in [0, 1]:
+                    for j in T.unroll(m):
+                        hv[j] = _bf16_half(ol[j, w], h)
+                    xf[h] = _collapse_expr(m, lambda pd_j: Cos[buf, r, ncf - m + pd_j], hv, mul, add)  # noqa: B023
+                    for j in T.unroll(m):
+                        sq[0] = sq[0] + hv[j] * hv[j]
+                xo[w] = T.call_extern("uint32", "dsv41c_pack_bf16x2", xf[0], xf[1])
+            if t < N:
+                for w in T.vectorized(4):
+                    V["X"][t, cw + w] = xo[w]
+                if expand:
+                    for j in T.unroll(m):
+                        for w in T.vectorized(4):
+                            V["HN"][t, j, cw + w] = ol[j, w]
+            if _WG_ABLATE < 2:
+                for j in T.unroll(m):
+                    T.call_extern("handle", "dsv41c_sts128", sm, b_off(buf, r, j, lane),
+                                  ol[j, 0], ol[j, 1], ol[j, 2], ol[j, 3])
+            for o in [16, 8, 4, 2, 1]:
+                sq[0] = sq[0] + T.shfl_xor(sq[0], o)
+            if lane == 0:
+                SQ[buf, r] = sq[0]
+
+    @T.macro
+    def epilogue(B, R, blk, buf, tx, bg):
+        """Block blk's mixes from the accumulators (hi + mid rows of the thread's coefficient), and
+        its sums of squares, to the workspace (first warpgroup, after its wgmma have completed).
+        Every thread of the warpgroup reads all its accumulators, unconditionally: a read in a
+        divergent branch makes ptxas serialise every wgmma."""
+        acc, tot, SQ = R["acc"], R["tot"], R["SQ"]
+        w, lane = tx // 32, tx % 32
+        n = 8 * w + lane // 4
+        for jt in T.unroll(BLK // 8):
+            for e in T.unroll(2):
+                tot[jt * 2 + e] = acc[4 * jt + e]
+                for ks in T.unroll(1, KS):
+                    tot[jt * 2 + e] = tot[jt * 2 + e] + acc[ks * nacc + 4 * jt + e]
+                for ks in T.unroll(KS):
+                    tot[jt * 2 + e] = tot[jt * 2 + e] + acc[ks * nacc + 4 * jt + 2 + e]
+        if n < mix:
+            for jt in T.unroll(BLK // 8):
+                for e in T.unroll(2):
+                    t = blk * BLK + 8 * jt + 2 * (lane % 4) + e
+                    if t < N:
+                        B["WS"][bg, t, n] = tot[jt * 2 + e]
+        if tx < BLK:
+            if blk * BLK + tx < N:
+                B["WS"][bg, blk * BLK + tx, mix] = SQ[buf, tx]
+
+    @T.macro
+    def stream_block(B, V, R, i, blk, nb, PV, xl, xn, cv, q, lane, cw, tx, sm):
+        """Block number i (blk) of the CTA's blocks, by the streaming warps: up to the B tile's
+        stores and the next block's coefficients stashed."""
+        buf = i % 2
+        if prefetch:
+            for u in T.unroll(TPW):
+                for j in rows:
+                    for w in T.unroll(4):
+                        xl[u, j, w] = xn[u, j, w]
+            if i + 1 < nb:
+                load_streams(V, xn, blk + PV, q, cw)
+                fetch_coefs(B, cv, blk + PV, tx)
+        else:
+            load_streams(V, xl, blk, q, cw)
+            fetch_coefs(B, cv, blk, tx)
+            stash_coefs(Cos_of(R), buf, cv, tx)
+            T.sync_threads()
+        compute(V, R, blk, buf, xl, q, lane, cw, sm)
+        T.call_extern("handle", "dsv41c_fence_async")  # the B tile's stores, for the wgmma
+        if prefetch:
+            stash_coefs(Cos_of(R), 1 - buf, cv, tx)
+
+    @T.macro
+    def issue(R, buf, sm):
+        acc = R["acc"]
+        T.call_extern("handle", "dsv41c_wgmma_fence")
+        for ks in T.unroll(KS):
+            for s in T.unroll(steps // KS):
+                st = ks * (steps // KS) + s
+                T.call_extern("handle", f"dsv41c_wgmma_n{BLK}", T.address_of(acc[ks * nacc]), sm,
+                              st // 4 * a_kb + st % 4 * 32, a_bytes + buf * b_bytes + st // 4 * b_kb + st % 4 * 32,
+                              0 if s == 0 else 1)
+        T.call_extern("handle", "dsv41c_wgmma_commit")
+
+    @T.macro
+    def body(B):
+        with T.Kernel(G, T.min(T.ceildiv(N, BLK), pmax), threads=nth, prelude=prelude) as (bg, bp):
+            tx = T.get_thread_binding()
+            V = {n: T.view(B[n], (N, *B[n].shape[1:-1], D // 2), "uint32") for n in names if n in _STREAMS}
+            SMB = T.alloc_shared((smem // 4,), "uint32")
+            Cos = T.alloc_shared((2, BLK, ncf), "float32")
+            SQ = T.alloc_shared((2, BLK), "float32")
+            fv = T.alloc_local((4,), "float32")
+            hp = T.alloc_local((4,), "float32")
+            xl = T.alloc_local((TPW, len(rows), 4), "uint32")
+            xn = T.alloc_local((TPW, len(rows), 4), "uint32")
+            ol = T.alloc_local((m, 4), "uint32")
+            xo = T.alloc_local((4,), "uint32")
+            hf = T.alloc_local((m, 2), "float32")
+            xf = T.alloc_local((2,), "float32")
+            hv = T.alloc_local((m,), "float32")
+            sq = T.alloc_local((1,), "float32")
+            cv = T.alloc_local((ncv,), "float32")
+            acc = T.alloc_local((KS * nacc,), "float32")
+            tot = T.alloc_local((BLK // 4,), "float32")
+            for k in T.unroll(KS * nacc):
+                acc[k] = T.float32(0)
+            # the thread's warpgroup, as a value ptxas knows is warp-uniform: the wgmma and their
+            # waits sit in branches on it
+            wg = T.call_extern("int32", "__shfl_sync", T.uint32(0xFFFFFFFF), tx // 128, 0)
+            sm = T.address_of(SMB[0])
+            # fn's slice -> fn^T's two bf16 pieces, the A operand
+            for it in T.unroll(-(-nfv // nth)):
+                v = it * nth + tx
+                if v < nfv:
+                    n = v // (m * W // 4)
+                    j = v // (W // 4) % m
+                    col = v % (W // 4) * 4
+                    for e in T.vectorized(4):
+                        fv[e] = B["FN"][n, j * D + bg * W + col + e]
+                    for e in T.unroll(4):
+                        hp[e] = T.Cast("float32", T.Cast("bfloat16", fv[e]))
+                    k = j * W + col
+                    for h in [0, 1]:
+                        rho = 16 * (n // 8) + 8 * h + n % 8
+                        off = k // 64 * a_kb + rho * 128 + ((k % 64 // 8) ^ (rho % 8)) * 16 + k % 8 // 4 * 8
+                        if h == 0:
+                            T.call_extern("handle", "dsv41c_sts64", sm, off,
+                                          T.call_extern("uint32", "dsv41c_pack_bf16x2", hp[0], hp[1]),
+                                          T.call_extern("uint32", "dsv41c_pack_bf16x2", hp[2], hp[3]))
+                        else:
+                            T.call_extern("handle", "dsv41c_sts64", sm, off,
+                                          T.call_extern("uint32", "dsv41c_pack_bf16x2", fv[0] - hp[0], fv[1] - hp[1]),
+                                          T.call_extern("uint32", "dsv41c_pack_bf16x2", fv[2] - hp[2], fv[3] - hp[3]))
+            q = tx // 32
+            lane = tx % 32
+            NB = T.ceildiv(N, BLK)
+            PV = T.min(NB, pmax)
+            nb = T.ceildiv(NB - bp, PV)
+            cw = bg * (W // 2) + lane * 4  # the lane's first word of each row
+            R = {"Cos": Cos, "SQ": SQ, "ol": ol, "xo": xo, "hf": hf, "xf": xf, "hv": hv, "sq": sq, "acc": acc,
+                 "tot": tot}
+            if prefetch:
+                if tx < nst:
+                    fetch_coefs(B, cv, bp, tx)
+                    stash_coefs(Cos, 0, cv, tx)
+                    load_streams(V, xn, bp, q, cw)
+            T.call_extern("handle", "dsv41c_fence_async")
+            T.sync_threads()  # fn^T in place; the first block's coefficients
+            if spec:
+                if wg == gw:  # the GEMM warpgroup: each block's wgmma, as soon as its B tile is written
+                    if r_st > r0:
+                        T.call_extern("handle", f"dsv41c_setmaxnreg_dec{_WG_GEMM_REGS}")
+                    for i in T.serial(nb):
+                        T.sync_threads(1, nth)
+                        if _WG_ABLATE < 1:
+                            issue(R, i % 2, sm)
+                            T.call_extern("handle", "dsv41c_wgmma_wait")
+                        epilogue(B, R, bp + i * PV, i % 2, tx - 128 * gw, bg)
+                else:
+                    if r_st > r0:
+                        T.call_extern("handle", f"dsv41c_setmaxnreg_inc{r_st}")
+                    for i in T.serial(nb):
+                        stream_block(B, V, R, i, bp + i * PV, nb, PV, xl, xn, cv, q, lane, cw, tx, sm)
+                        T.sync_threads(1, nth)  # B tile i written; the wgmma of block i - 1 done
+            else:
+                for i in T.serial(nb):
+                    blk = bp + i * PV
+                    buf = i % 2
+                    stream_block(B, V, R, i, blk, nb, PV, xl, xn, cv, q, lane, cw, tx, sm)
+                    if wg == 0:
+                        if i > 0:
+                            if _WG_ABLATE < 1:
+                                T.call_extern("handle", "dsv41c_wgmma_wait")
+                            epilogue(B, R, blk - PV, 1 - buf, tx, bg)
+                    if _WG_ABLATE < 3:
+                        T.sync_threads()
+                    if _WG_ABLATE < 1:
+                        if wg == 0:
+                            issue(R, buf, sm)
+                if wg == 0:
+                    if nb > 0:
+                        if _WG_ABLATE < 1:
+                            T.call_extern("handle", "dsv41c_wgmma_wait")
+                        epilogue(B, R, bp + (nb - 1) * PV, (nb - 1) % 2, tx, bg)
+
+    return names, _prim_func(names, S, body).with_attr(NO_SYNC_ATTR, 1)
 
 
 def _cuda_finalize_prim_func(m, D, norm_eps, hc_eps, iters):
