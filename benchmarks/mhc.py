@@ -5,7 +5,7 @@ compose dsv41c/mhc.py), `torch.compile` of the same refs, and the memory lower b
                                [--set NAME=VALUE ...] [--json OUT.json]
 
 --set overrides an integer tuning constant of tilelang_kernels/mhc.py before the first kernel is
-built (for example `--set _CR_W=128 --set _CR_WAVES=4`), so a variant sweep is a list of
+built (for example `--set _WG_TPW=1 --set _WG_KSPLIT=2`), so a variant sweep is a list of
 commands; the table's header repeats the overrides.
 
 Bytes that any implementation must move per call (bf16 streams of m x D, one token = one row):

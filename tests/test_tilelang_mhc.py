@@ -9,12 +9,12 @@ What must hold:
   * streams and x (h_new, collapse): bit-identical to the ref.  They depend only on the inputs and
     the kernels use the ref's fp32 operation order with one rounding per operation.
   * pre/post/comb: the mixes GEMM sums m*D products in another order (and on the GPU through
-    exact bf16 pieces on the tensor cores), so they agree to fp32 accuracy: MIX_TOL below.  The
+    bf16 pieces on the tensor cores: fn to 2^-24 in three pieces, or in the kernel for bf16
+    streams to about 2^-17 in two), so they agree to about fp32 accuracy: MIX_TOL below.  The
     coefficients are O(1) (pre in (0, 1], post in (0, 2), comb columns sum to ~1); 1e-5 keeps the
     stream update an order below DESIGN.md's 1e-4 compiled-vs-eager fp32 bound.
 """
 
-import re
 import secrets
 
 import pytest
@@ -240,52 +240,10 @@ def test_cuda_build_lowers_for_sm90():
         assert "cp_async_gs_conditional<16>" in src and f"cp_async_wait<{K._STAGES - 1}>" in src
 
 
-def test_cuda_column_resident_lowers_for_sm90():
-    """The column-resident kernel (bf16 streams, D a multiple of 256): fn's slice split into shared
-    memory once, the streams read and written as 16-byte vectors of bf16 pairs straight from
-    registers, and the mixes GEMM as register-operand mma.sync (3 pieces x 3 n8 tiles x m streams
-    x 2 k steps per 32 columns), for both mixing kinds: post_pre with one group of 8 warps per CTA
-    and CTA-wide barriers, pre with two groups, each behind its own named barrier."""
-    for kind in ("pre", "post_pre"):
-        assert K.column_resident(kind, "bfloat16", 5120) and not K.column_resident(kind, "float32", 5120)
-        src = _sm90_source(kind, "bfloat16")
-        assert src.count("tl::mma_sync<") == 3 and "tma_load" not in src and "wgmma" not in src
-        assert "*(uint4*)(((uint*)X)" in src and ("*(uint4*)(((uint*)HN)" in src) == (kind == "post_pre")
-        assert "cvt.rn.bf16x2.f32" in src  # two values rounded into one word of the stream
-        assert "__fmul_rn" in src and "__fadd_rn" in src
-        if kind == "pre":
-            assert "__launch_bounds__(512, 1)" in src
-            assert src.count("__sync_thread_partial(") == 2 and src.count("__syncthreads()") == 1
-        else:
-            assert "__launch_bounds__(256, 1)" in src
-            assert "__sync_thread_partial(" not in src and src.count("__syncthreads()") == 2
-
-
-def _cr_tuning(monkeypatch, kind, groups, prefetch):
-    suffix = kind.upper()
-    monkeypatch.setattr(K, f"_CR_GROUPS_{suffix}", groups)
-    monkeypatch.setattr(K, f"_CR_PREFETCH_{suffix}", prefetch)
-
-
-@pytest.mark.parametrize("groups,prefetch", ((1, 0), (1, 1), (2, 0), (2, 1)))
-@pytest.mark.parametrize("kind", ("pre", "post_pre"))
-def test_cuda_column_resident_tunings_lower_for_sm90(kind, groups, prefetch, monkeypatch):
-    """Every tuning of the column-resident kernel builds (so `benchmarks/mhc.py --set` can time
-    it): one or two groups of 8 warps per CTA, with and without the next block loaded ahead."""
-    _cr_tuning(monkeypatch, kind, groups, prefetch)
-    src = _sm90_source(kind, "bfloat16")
-    assert f"__launch_bounds__({256 * groups}, 1)" in src and src.count("tl::mma_sync<") == 3
-    assert src.count("__sync_thread_partial(") == (2 if groups == 2 else 0)
-    # the load-ahead copies the next block's words into the current ones at the top of the loop
-    assert bool(re.search(r"\bxl\[[^;]*\] = xn\[", src)) == bool(prefetch)
-
-
-WG_TUNINGS = ({}, {"_WG_KSPLIT": 2}, {"_WG_TPW": 2}, {"_WG_PREFETCH": 0}, {"_WG_BLK": 24, "_WG_TPW": 3},
-              {"_WG_SPEC": 1, "_WG_TPW": 2}, {"_WG_SPEC": 1})
+WG_TUNINGS = ({}, {"_WG_KSPLIT": 2}, {"_WG_TPW": 1}, {"_WG_BLK": 24, "_WG_TPW": 3})
 
 
 def _wg_tuning(monkeypatch, **tuning):
-    monkeypatch.setattr(K, "_WG", 1)
     for name, value in tuning.items():
         monkeypatch.setattr(K, name, value)
 
@@ -293,27 +251,30 @@ def _wg_tuning(monkeypatch, **tuning):
 @pytest.mark.parametrize("tuning", WG_TUNINGS, ids=lambda t: ",".join(f"{k}={v}" for k, v in t.items()) or "default")
 @pytest.mark.parametrize("kind", ("pre", "post_pre"))
 def test_cuda_wgmma_kernel_lowers_for_sm90(kind, tuning, monkeypatch):
-    """The wgmma mixing kernel (`_WG`) lowers for every tuning: the streams as 16-byte vectors of
-    bf16 pairs, fn^T and h^T as shared-memory wgmma operands (the k steps of a block in one loop of
-    wgmma m64nBLKk16, one commit, the wait behind a branch on a warp-uniform warpgroup index), no
-    mma.sync, and no barrier of TileLang's own."""
+    """The mixing kernel for bf16 streams (`_cuda_wg_prim_func`; bf16 streams, D a multiple of 256)
+    lowers for every tuning: the streams as 16-byte vectors of bf16 pairs straight from and to
+    global memory, fn^T and h^T as shared-memory wgmma operands (a block's k steps in one loop of
+    wgmma m64nBLKk16 and one commit, behind a branch on a warp-uniform warpgroup index), the GEMM
+    warpgroup and the streaming warps meeting at one named barrier per block, no mma.sync, no
+    barrier of TileLang's own, and the IEEE-rounded expand and collapse."""
     _wg_tuning(monkeypatch, **tuning)
+    assert K.column_resident(kind, "bfloat16", 5120) and not K.column_resident(kind, "float32", 5120)
+    assert not K.column_resident(kind, "bfloat16", 5120 + 32)
     src = _sm90_source(kind, "bfloat16")
     blk = K._WG_BLK
     assert f"wgmma.mma_async.sync.aligned.m64n{blk}k16.f32.bf16.bf16" in src
     body = src[src.index("__global__ void __launch_bounds__"):]
     assert body.count(f"dsv41c_wgmma_n{blk}(") == 1 and body.count("dsv41c_wgmma_commit()") == 1
     assert "__shfl_sync((uint)4294967295, (((int)threadIdx.x) >> 7), 0)" in body
-    threads = 32 * blk // K._WG_TPW + 128 * K._WG_SPEC
+    threads = 32 * blk // K._WG_TPW + 128
     assert f"__launch_bounds__({threads}, 1)" in body
+    assert body.count("__syncthreads()") == 1 and body.count(f"__sync_thread_partial(1, {threads})") == 2
+    # with 8 streaming warps, registers move from the GEMM warpgroup to them
+    assert ("dsv41c_setmaxnreg_dec" in body) == ("dsv41c_setmaxnreg_inc" in body) == (threads == 384)
     assert "tl::mma_sync<" not in src and "*(uint4*)(((uint*)X)" in src
     assert ("*(uint4*)(((uint*)HN)" in src) == (kind == "post_pre")
-    if K._WG_SPEC:  # the GEMM warpgroup meets the streaming warps at one named barrier per block
-        assert body.count("__syncthreads()") == 1 and body.count(f"__sync_thread_partial(1, {threads})") == 2
-        # with 8 streaming warps, registers move from the GEMM warpgroup to them
-        assert ("dsv41c_setmaxnreg_dec" in body) == ("dsv41c_setmaxnreg_inc" in body) == (threads == 384)
-    else:
-        assert body.count("__syncthreads()") == (2 if K._WG_PREFETCH else 3)
+    assert "cvt.rn.bf16x2.f32" in src  # two values rounded into one word of the stream
+    assert "__fmul_rn" in src and "__fadd_rn" in src
 
 
 def test_cuda_post_collapse_lowers_for_sm90():
@@ -338,8 +299,8 @@ def test_cuda_kernels_match_refs(kind, dtype, n):
 @cuda
 @pytest.mark.parametrize("kind", ("pre", "post_pre"))
 def test_cuda_column_resident_matches_refs(kind):
-    """The column-resident kernel against the refs: bf16 streams, D = 5120 (20 column groups) and
-    512 (2), T in TOKENS and 4099 (a last 16-token block of 3)."""
+    """The column-resident wgmma kernel against the refs: bf16 streams, D = 5120 (20 column groups)
+    and 512 (2), T in TOKENS and 4099 (a last 16-token block of 3)."""
     for d in (5120, 512):
         assert K.column_resident(kind, "bfloat16", d)
         for n in (*TOKENS, 4099):
@@ -348,29 +309,11 @@ def test_cuda_column_resident_matches_refs(kind):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("groups,prefetch", ((1, 0), (1, 1), (2, 0), (2, 1)))
-@pytest.mark.parametrize("kind", ("pre", "post_pre"))
-def test_cuda_column_resident_tunings_match_refs(kind, groups, prefetch, monkeypatch):
-    """Every tuning of the column-resident kernel (`_CR_GROUPS_*`, `_CR_PREFETCH_*`) against the
-    refs, T up to 4099 (with two groups, some groups of the last CTA have no block)."""
-    _cr_tuning(monkeypatch, kind, groups, prefetch)
-    K.build.cache_clear()  # builds, and the launch plans that hold them, are cached per op key,
-    K._plan.cache_clear()  # which does not name the tuning
-    try:
-        for n in (1, 7, 77, 4099):
-            check(kind, torch.bfloat16, n, 5120, "cuda")
-    finally:
-        K.build.cache_clear()
-        K._plan.cache_clear()
-
-
-@pytest.mark.gpu
-@cuda
 @pytest.mark.parametrize("tuning", WG_TUNINGS, ids=lambda t: ",".join(f"{k}={v}" for k, v in t.items()) or "default")
 @pytest.mark.parametrize("kind", ("pre", "post_pre"))
 def test_cuda_wgmma_kernel_matches_refs(kind, tuning, monkeypatch):
-    """The wgmma mixing kernel against the refs: D = 5120 and (the default tuning) 512, T up to
-    4099 (a last block of 3 tokens; 77: blocks past the last one in some CTAs)."""
+    """The column-resident wgmma kernel for every tuning against the refs: D = 5120 and (the
+    default tuning) 512, T up to 4099 (a last block of 3 tokens; 77: fewer blocks than CTAs)."""
     _wg_tuning(monkeypatch, **tuning)
     K.build.cache_clear()
     K._plan.cache_clear()
@@ -426,10 +369,10 @@ def test_benchmark_tuning_overrides(monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     monkeypatch.delitem(sys.modules, "mhc", raising=False)
     import mhc as bench
-    for name in ("_CR_W", "_CR_WAVES"):
+    for name in ("_WG_BLK", "_CR_WAVES"):
         monkeypatch.setattr(K, name, getattr(K, name))   # restored after the test
-    assert bench.tuning(K, ["_CR_W=128", "_CR_WAVES=4"]) == {"_CR_W": 128, "_CR_WAVES": 4}
-    assert (K._CR_W, K._CR_WAVES) == (128, 4)
-    for bad in ("_CR_W", "nope=1", "_CR_W=x", "column_resident=1"):
+    assert bench.tuning(K, ["_WG_BLK=24", "_CR_WAVES=4"]) == {"_WG_BLK": 24, "_CR_WAVES": 4}
+    assert (K._WG_BLK, K._CR_WAVES) == (24, 4)
+    for bad in ("_WG_BLK", "nope=1", "_WG_BLK=x", "column_resident=1"):
         with pytest.raises(SystemExit, match="--set"):
             bench.tuning(K, [bad])

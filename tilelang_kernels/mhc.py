@@ -31,15 +31,18 @@ CUDA (sm_90a: wgmma needs the arch-specific target).
      cover 512 contiguous bytes of a row.  Each thread loads its 2 items (the m streams, y and the
      token's 24 coefficients) before computing any.
   pre, post_pre: two launches.
-  1. `main`: for bf16 streams with D a multiple of 256, the column-resident kernel
-     (`_cuda_colres_prim_func`): each CTA keeps fn's slice for 256 columns in shared memory, split
-     once into three bf16 pieces, for every token it sees; the streams go global -> registers ->
-     global as words of two bf16, and the mixes GEMM is register-operand mma.sync on those words.
-     On an H200, in a CUDA graph: post_pre 60% / 65% of the bound at T = 4096 / 65536, pre 50% /
-     61% (two groups of warps per CTA, `_CR_GROUPS_PRE`); T = 1 takes 13 / 11 us for the two
-     launches (BENCHMARKS.md).  (A warp-specialised kernel, a TMA ring
-     with streaming warpgroups and a producer/GEMM warpgroup meeting at mbarriers, reached 56% /
-     63% for post_pre and was removed: its ring read 128-byte pieces of rows 10 KB apart.)
+  1. `main`: for bf16 streams with D a multiple of 256, the column-resident wgmma kernel
+     (`_cuda_wg_prim_func`): each CTA keeps fn's slice for 256 columns in shared memory, split
+     once into two bf16 pieces (fn to about 2^-17), as the A operand of a transposed mixes GEMM
+     for every token it sees; streaming warps move the streams global -> registers -> global with
+     the flat kernel's 512-byte row pieces and write h_new into a shared B tile per 16-token
+     block, and a warpgroup of its own runs the block's wgmma behind them.  On an H200, in a CUDA
+     graph: post_pre 69-70% / 76-79% of the bound at T = 4096 / 65536, pre 51-54% / 65-66%; T = 1
+     takes 13 / 12 us for the two launches (BENCHMARKS.md).  (Removed, each timed slower: a
+     register-operand mma.sync kernel with the same resident slice in three pieces, 60-61% /
+     65-67% and 47-50% / 59-62%, commit 63e6af9; a TMA ring with streaming warpgroups and a
+     producer/GEMM warpgroup, 56% / 63% for post_pre: its ring read 128-byte pieces of rows 10 KB
+     apart.)
      Otherwise (fp32 streams, other widths) the staged
      kernel: grid (K splits of D, token tiles of TB=64), 128 threads (one warpgroup).  The split is
      blockIdx.x, so a tile's K CTAs are resident together, and CTA k takes the chunks of DC=32
@@ -112,28 +115,17 @@ _NPAD = 32  # CUDA: GEMM N, the mix coefficients padded; column 24 (mix) of the 
 _STAGES = 2  # CUDA mixing kernels: chunks of streams in shared memory (the pipeline's depth)
 _CTAS_PER_SM = 2  # CUDA: resident mixes CTAs per H200 SM (shared memory: 86 KB each at 2 stages)
 _CR_W = 256  # CUDA column-resident mixing kernel: columns of each stream per CTA (fn's slice stays in
-#               shared memory), one warp per 32
+#               shared memory): 8 per lane, so one warp-wide 16-byte access covers them
 _CR_WAVES = 2  # CUDA column-resident mixing kernel: at most this many waves of CTAs (at one per SM)
-# CUDA column-resident mixing kernel, per op (timed on an H200, BENCHMARKS.md "mHC kernels"):
-# groups of _CR_W / 32 warps per CTA, each on its own token blocks, sharing fn's slice (2: 16 warps,
-# at most 128 registers each); prefetch 1: the next block's streams load while this one is computed
-# (registers for two blocks), 0: each block loads, then computes
-_CR_GROUPS_PRE = 2
-_CR_PREFETCH_PRE = 0
-_CR_GROUPS_POST_PRE = 1
-_CR_PREFETCH_POST_PRE = 1
 _SMS = 132  # H200 SMs
-# CUDA wgmma mixing kernel (`_cuda_wg_prim_func`, bf16 streams, D a multiple of 256, m <= 4): on (1)
-# or off (0, the column-resident kernel); tokens per block (the wgmma N); tokens per warp and block;
-# accumulators the k steps are split over; the next block loaded while this one is computed
-_WG = 1
+# CUDA mixing kernel for bf16 streams (`_cuda_wg_prim_func`, timed on an H200, BENCHMARKS.md "mHC
+# kernels"): tokens per block (the wgmma's N); tokens per streaming warp and block (so BLK / TPW
+# streaming warps); accumulators the block's k steps are split over; registers per thread of the
+# GEMM warpgroup (setmaxnreg gives the rest to the streaming warps)
 _WG_BLK = 16
 _WG_TPW = 2
 _WG_KSPLIT = 4
-_WG_PREFETCH = 1
-_WG_GEMM_REGS = 88  # with _WG_SPEC: registers per thread of the GEMM warpgroup (setmaxnreg)
-_WG_SPEC = 1  # a warpgroup of its own issues the wgmma (the streaming warps never wait for them)
-_WG_ABLATE = 0  # timing only, the mixes wrong: 1 no wgmma, 2 nor the B tile's stores, 3 nor the block barrier
+_WG_GEMM_REGS = 88
 
 
 def column_resident(kind: str, dtype: str, D: int) -> bool:
@@ -369,8 +361,7 @@ def mhc_prim_funcs(kind, dtype, m, D, norm_eps, hc_eps, iters, target):
     if kind == "post_collapse":
         return [_cuda_stream_prim_func(dtype, m, D)]
     if column_resident(kind, dtype, D):
-        wg = _WG and 2 * m + m * m <= 24
-        main = (_cuda_wg_prim_func if wg else _cuda_colres_prim_func)(kind, m, D)
+        main = _cuda_wg_prim_func(kind, m, D)
     else:
         main = _cuda_mixes_prim_func(kind, dtype, m, D)
     return [main,
@@ -848,291 +839,6 @@ def _bf16_half(word, u):
     return T.reinterpret(bits, "float32")
 
 
-def _cuda_colres_prim_func(kind, m, D):
-    """The column-resident mixing kernel for bf16 streams (module docstring, CUDA step 1).
-
-    Grid (G = D / W column groups, P token groups), W = `_CR_W` columns of every stream per CTA,
-    one warp per 32 of them.  The CTA first splits fn's slice for its columns (mix x m x W, fp32)
-    into three bf16 pieces in shared memory, laid out in the order the warps read it; the slice
-    then serves every token the CTA sees, so fn is read once per CTA rather than once per 64
-    tokens.  The CTA takes blocks of 16 tokens (bp, bp + P, ...), all its warps on the same block
-    at once, side by side along the row (W contiguous columns of each row between them).  Lane
-    (g, c) = (lane // 4, lane % 4) of warp q owns columns 32q + 8c..+7 of tokens g and g + 8, which
-    it reads and writes as 16-byte vectors straight from and to global memory (no shared memory on
-    the stream path), forming h_new and x in the reference's order.  The streams are held as
-    uint32 words of two bf16 (uint32 views of the tensors): a half becomes fp32 with one shift or
-    mask, and two results are rounded into a word by one cvt.rn.bf16x2.f32, where arrays of bf16
-    made nvcc split and repack the 16-bit halves for every use.  The next block's streams are
-    loaded while this one is computed, and then its coefficients, into registers: they reach
-    shared memory only after this block's compute (stored straight away, the shared store waited
-    for the global load and held back the stream loads behind it).  The lane's words are also the
-    A operand of `mma.sync.m16n8k16`: the A fragment holds k = 2c, 2c+1, 2c+8, 2c+9 of rows g and
-    g+8, and the GEMM's sum over k does not depend on which column each k stands for, so columns
-    8c+4s..8c+4s+3 serve as step s's k slots (s = 0, 1), and fn's pieces are laid out with the same
-    assignment (the B fragment of lane (g, c): row n = g of the n8 tile, the same columns), a
-    lane's 3 x NT B fragments of one step contiguous, so one A fragment serves its nine products in
-    a row.  The products of the lo, mid and hi pieces accumulate from zero on the tensor cores;
-    the warps' totals are then added in warp order with IEEE adds (through shared memory), as the
-    staged kernel adds its chunks, and written with the sums of squares to the workspace
-    [G, T, 32] for the finalize kernel.  The CTA's barriers are its own (TileLang inserts none).
-
-    Tuning, per op (`_CR_GROUPS_*`, `_CR_PREFETCH_*`): post_pre runs one group of 8 warps per CTA
-    with the next block's streams loaded ahead (248 registers, no spills: one CTA per SM); pre runs
-    two such groups per CTA, each on its own 16-token blocks behind its own named barrier and
-    sharing fn's slice, each block loaded just before it is computed: 16 warps per SM at 128
-    registers.  Timed side by side on an H200, pre gained 4-6 points of the bound that way and
-    post_pre lost 7-12 (it spills at 128 registers)."""
-    expand = kind == "post_pre"
-    dtype = "bfloat16"
-    names = _PARAMS[kind, "main"]
-    W = _CR_W
-    NW = W // 32  # warps: one per 32 columns
-    G = D // W
-    S, N = _buffers(names, dtype, m, D, G)
-    mix = 2 * m + m * m
-    NT = -(-mix // 8)  # n8 tiles of the mixes
-    ncf = (m + m * m if expand else 0) + m  # per-token coefficients: post, comb, pre_delayed
-    rows = list(range(m + 1 if expand else m))
-    src = "RES" if expand else "H"
-    pmax = max(1, _CR_WAVES * _SMS // G)
-    nfv = NT * 8 * m * W // 4  # float4 vectors of fn's slice
-    NG, prefetch = (_CR_GROUPS_POST_PRE, bool(_CR_PREFETCH_POST_PRE)) if expand else \
-        (_CR_GROUPS_PRE, bool(_CR_PREFETCH_PRE))
-    ntg = 32 * NW  # threads per group
-    nth = NG * ntg
-    assert W % 32 == 0 and D % W == 0 and 1 <= NG <= 15
-    mul, add = _arith(True)
-
-    @T.macro
-    def load_streams(V, xs, blk, w0, g):
-        """The lane's 16-byte pieces of block blk (rows g, g + 8; zeros past N) into xs, as words."""
-        for r in T.unroll(2):
-            t = blk * 16 + g + 8 * r
-            if t < N:
-                for j in rows:
-                    for w in T.vectorized(4):
-                        xs[r, j, w] = V["Y"][t, w0 + w] if j == m else V[src][t, j, w0 + w]
-            else:
-                for j in rows:
-                    for w in T.unroll(4):
-                        xs[r, j, w] = T.uint32(0)
-
-    ncv = -(-16 * ncf // ntg)  # coefficients per thread and block
-
-    @T.macro
-    def fetch_coefs(B, cv, blk, tx):
-        """Block blk's per-token coefficients (zeros past N) into the thread's registers cv, by the
-        whole group (tx: the thread's index in it): the loads are only issued here, and the values
-        land in shared memory later (`stash_coefs`), so no thread waits for them before it has
-        issued the block's stream loads."""
-        for v in T.unroll(ncv):
-            k = (v * ntg + tx) % ncf
-            t = blk * 16 + (v * ntg + tx) // ncf
-            ok = (t < N) & (v * ntg + tx < 16 * ncf)
-            if expand:
-                cv[v] = T.if_then_else(
-                    ok, T.if_then_else(
-                        k < m, B["PIN"][T.min(t, N - 1), T.min(k, m - 1)], T.if_then_else(
-                            k < m + m * m, B["CIN"][T.min(t, N - 1), T.max(k - m, 0) // m % m, T.max(k - m, 0) % m],
-                            B["PD"][T.min(t, N - 1), T.max(k - m - m * m, 0) % m])), T.float32(0))
-            else:
-                cv[v] = T.if_then_else(ok, B["PD"][T.min(t, N - 1), k], T.float32(0))
-
-    @T.macro
-    def stash_coefs(Cos, gi, buf, cv, tx):
-        for v in T.unroll(ncv):
-            if v * ntg + tx < 16 * ncf:
-                Cos[gi, buf, (v * ntg + tx) // ncf, (v * ntg + tx) % ncf] = cv[v]
-
-    @T.macro
-    def group_sync(gi):
-        """A barrier of the group's threads (the whole CTA when it is one group)."""
-        if NG == 1:
-            T.sync_threads()
-        else:
-            T.sync_threads(1 + gi, ntg)  # bar.sync takes the barrier's id from a register
-
-    @T.macro
-    def columns(R, i, xl, gi, g, r, w):
-        """Columns 2w, 2w + 1 of the lane's token row r: h_new (post_pre) into ol in the mma's A
-        layout, x into xo, the squares of h_new into sq[r]."""
-        Cos, ol, xo, hf, xf, hv, sq = R["Cos"], R["ol"], R["xo"], R["hf"], R["xf"], R["hv"], R["sq"]
-        if expand:
-            for u in [0, 1]:
-                for j, hj in enumerate(_expand_exprs(
-                        m, lambda coef: Cos[gi, i % 2, g + 8 * r, coef],  # noqa: B023
-                        lambda src_row: _bf16_half(xl[r, src_row, w], u),  # noqa: B023
-                        mul, add)):
-                    hf[j, u] = hj
-            for j in T.unroll(m):
-                ol[j, w // 2, w % 2, r] = T.call_extern("uint32", "dsv41c_pack_bf16x2", hf[j, 0], hf[j, 1])
-        else:
-            for j in T.unroll(m):
-                ol[j, w // 2, w % 2, r] = xl[r, j, w]
-        for u in [0, 1]:
-            for j in T.unroll(m):
-                hv[j] = _bf16_half(ol[j, w // 2, w % 2, r], u)
-            xf[u] = _collapse_expr(
-                m, lambda pd_j: Cos[gi, i % 2, g + 8 * r, ncf - m + pd_j], hv, mul, add)  # noqa: B023
-            for j in T.unroll(m):
-                sq[r] = sq[r] + hv[j] * hv[j]
-        xo[r, w] = T.call_extern("uint32", "dsv41c_pack_bf16x2", xf[0], xf[1])
-
-    @T.macro
-    def store(V, R, blk, g, c0):
-        """The block's x and (post_pre) h_new rows of the lane, as 16-byte stores."""
-        ol, xo, st = R["ol"], R["xo"], R["st"]
-        for r in T.unroll(2):
-            t = blk * 16 + g + 8 * r
-            if t < N:
-                for w in T.vectorized(4):
-                    V["X"][t, c0 // 2 + w] = xo[r, w]
-                if expand:
-                    for j in T.unroll(m):
-                        for w in T.unroll(4):
-                            st[w] = ol[j, w // 2, w % 2, r]
-                        for w in T.vectorized(4):
-                            V["HN"][t, j, c0 // 2 + w] = st[w]
-
-    @T.macro
-    def products(R, j, s, q, lane):
-        """Step s of stream j of the mixes GEMM: the A fragment ol[j, s] (rows g, g + 8 x columns
-        8c + 4s + (0, 1), then (2, 3)) against fn's 3 pieces x NT n8 tiles, into Cc."""
-        Fs, ol, bf, Cc = R["Fs"], R["ol"], R["bf"], R["Cc"]
-        for pt in T.unroll(3 * NT):
-            for e in T.vectorized(4):
-                bf[pt, e] = Fs[j, q, lane, s, pt, e]
-        for pc in [2, 1, 0]:  # the small cross terms first
-            for tn in T.unroll(NT):
-                T.ptx_mma("float32", "m16n8k16", "row", "col", "bf16", "bf16", "fp32",
-                          ol.data, (j * 2 + s) * 4, bf.data, (pc * NT + tn) * 4, Cc.data, tn * 4,
-                          T.bool(False))
-
-    @T.macro
-    def block(B, V, R, i, xl, xn, nb, vp, PV, gi, tg, q, lane, g, c, c0, bg):
-        """Block number i of the group's blocks: its streams in xl (with the load-ahead: copied from
-        xn first, where the previous block loaded them, and the next block's go to xn)."""
-        Cos, Red, sq, Cc, cv = R["Cos"], R["Red"], R["sq"], R["Cc"], R["cv"]
-        acc = T.alloc_var("float32")
-        blk = vp + i * PV
-        if prefetch:
-            for r in T.unroll(2):
-                for j in rows:
-                    for w in T.unroll(4):
-                        xl[r, j, w] = xn[r, j, w]
-            group_sync(gi)  # Cos[gi, i % 2] stashed; Red[gi] read by the previous block's sums
-            if i + 1 < nb:  # the next block travels while this one is computed
-                load_streams(V, xn, blk + PV, c0 // 2, g)
-                fetch_coefs(B, cv, blk + PV, tg)
-        else:
-            load_streams(V, xl, blk, c0 // 2, g)
-            fetch_coefs(B, cv, blk, tg)
-            stash_coefs(Cos, gi, i % 2, cv, tg)
-            group_sync(gi)  # Cos[gi, i % 2] stashed; Red[gi] read by the previous block's sums
-        for r in T.unroll(2):
-            sq[r] = T.float32(0)
-            for w in T.unroll(4):
-                columns(R, i, xl, gi, g, r, w)
-        store(V, R, blk, g, c0)
-        for k in T.unroll(NT * 4):
-            Cc[k] = T.float32(0)
-        for j in T.unroll(m):
-            for s in T.unroll(2):
-                products(R, j, s, q, lane)
-        for r in T.unroll(2):
-            for o in [1, 2]:  # the sum of squares over the 4 lanes of a row
-                sq[r] = sq[r] + T.shfl_xor(sq[r], o)
-            for tn in T.unroll(NT):
-                for e in T.unroll(2):
-                    Red[gi, q, g + 8 * r, tn * 8 + c * 2 + e] = Cc[tn * 4 + r * 2 + e]
-            if c == 0:
-                Red[gi, q, g + 8 * r, NT * 8] = sq[r]
-        if prefetch:
-            stash_coefs(Cos, gi, (i + 1) % 2, cv, tg)  # (after the last block: unused)
-        group_sync(gi)  # every warp's totals in Red[gi]; the next block's coefficients in Cos[gi]
-        for v in T.unroll(-(-16 * (mix + 1) // ntg)):  # the warps' totals, in warp order
-            if v * ntg + tg < 16 * (mix + 1):
-                n = (v * ntg + tg) % (mix + 1)
-                t = blk * 16 + (v * ntg + tg) // (mix + 1)
-                if t < N:
-                    col = T.if_then_else(n < mix, n, NT * 8)
-                    acc = Red[gi, 0, (v * ntg + tg) // (mix + 1), col]
-                    for w in T.serial(1, NW):
-                        acc = acc + Red[gi, w, (v * ntg + tg) // (mix + 1), col]
-                    B["WS"][bg, t, n] = acc
-
-    @T.macro
-    def body(B):
-        with T.Kernel(G, T.min(T.ceildiv(T.ceildiv(N, 16), NG), pmax), threads=nth, prelude=_PACK_BF16X2) as (bg, bp):
-            tx = T.get_thread_binding()
-            V = {n: T.view(B[n], (N, *B[n].shape[1:-1], D // 2), "uint32") for n in names if n in _STREAMS}
-            Fs = T.alloc_shared((m, NW, 32, 2, 3 * NT, 4), "bfloat16")
-            Cos = T.alloc_shared((NG, 2, 16, ncf), "float32")
-            Red = T.alloc_shared((NG, NW, 16, NT * 8 + 1), "float32")
-            fv = T.alloc_local((4,), "float32")
-            pl = T.alloc_local((3, 4), "bfloat16")
-            # the streams as words of two bf16 (column 2w in the low half): nvcc keeps them whole in
-            # registers, where arrays of bf16 cost a repack for every use as an mma operand
-            xl = T.alloc_local((2, len(rows), 4), "uint32")
-            xn = T.alloc_local((2, len(rows), 4), "uint32")
-            # h_new in the mma's A layout: [stream, k step s, word 2s + p, row g + 8r] (an mma
-            # operand is an aligned register quad, as is a 16-byte store's: one of the two is
-            # copied, and the stores' quads live only until they are issued)
-            ol = T.alloc_local((m, 2, 2, 2), "uint32")
-            xo = T.alloc_local((2, 4), "uint32")  # x's words
-            st = T.alloc_local((4,), "uint32")
-            hf = T.alloc_local((m, 2), "float32")
-            xf = T.alloc_local((2,), "float32")
-            hv = T.alloc_local((m,), "float32")
-            sq = T.alloc_local((2,), "float32")
-            bf = T.alloc_local((3 * NT, 4), "bfloat16")
-            Cc = T.alloc_local((NT * 4,), "float32")
-            cv = T.alloc_local((ncv,), "float32")
-            # fn's slice -> three bf16 pieces, at [stream, column // 32, lane, column % 8 // 4, piece,
-            # n // 8, column % 4] with lane = (n % 8) * 4 + column % 32 // 8: a lane's B fragments for
-            # one k step of one stream are 3 * NT * 8 contiguous bytes
-            for it in T.unroll(-(-nfv // nth)):  # unrolled: the loads go out together
-                v = it * nth + tx
-                if v < nfv:
-                    n = v // (m * W // 4)
-                    j = v // (W // 4) % m
-                    col = v % (W // 4) * 4
-                    for e in T.vectorized(4):
-                        fv[e] = T.if_then_else(n < mix, B["FN"][T.min(n, mix - 1), j * D + bg * W + col + e],
-                                               T.float32(0))
-                    for e in T.unroll(4):
-                        for pc, piece in enumerate(_bf16_pieces(fv[e], 3)):
-                            pl[pc, e] = piece
-                    for pc in [0, 1, 2]:
-                        for e in T.vectorized(4):
-                            Fs[j, col // 32, n % 8 * 4 + col % 32 // 8, col % 8 // 4, pc * NT + n // 8, e] = pl[pc, e]
-            gi = tx // ntg if NG > 1 else 0  # the thread's group
-            tg = tx % ntg if NG > 1 else tx  # its index in the group
-            q = tg // 32  # the warp's 32 columns
-            lane = tx % 32
-            g = lane // 4
-            c = lane % 4
-            c0 = bg * W + q * 32 + c * 8
-            NB = T.ceildiv(N, 16)  # 16-token blocks
-            PV = T.min(T.ceildiv(NB, NG), pmax) * NG  # groups along the tokens, over all CTAs
-            vp = bp * NG + gi  # this group's first block; then vp + PV, vp + 2 PV, ...
-            # its blocks (with one group per CTA, vp < NB always)
-            nb = T.if_then_else(vp < NB, T.ceildiv(NB - T.min(vp, NB), PV), 0) if NG > 1 else T.ceildiv(NB - vp, PV)
-            if NG > 1:
-                T.sync_threads()  # fn's slice in Fs, for every group
-            if prefetch:
-                fetch_coefs(B, cv, vp, tg)
-                stash_coefs(Cos, gi, 0, cv, tg)
-                load_streams(V, xn, vp, c0 // 2, g)
-            R = {"Fs": Fs, "Cos": Cos, "Red": Red, "ol": ol, "xo": xo, "st": st, "hf": hf, "xf": xf, "hv": hv,
-                 "sq": sq, "bf": bf, "Cc": Cc, "cv": cv}
-            args = (nb, vp, PV, gi, tg, q, lane, g, c, c0, bg)
-            for i in T.serial(nb):
-                block(B, V, R, i, xl, xn, *args)
-
-    return names, _prim_func(names, S, body).with_attr(NO_SYNC_ATTR, 1)  # it places all its barriers
-
-
 # CUDA, sm_90a: raw shared-memory stores, GMMA descriptors and wgmma for the wgmma mixing kernel
 # (`_cuda_wg_prim_func`); every shared address is taken from the kernel's raw buffer `p` and
 # rounded up to 1024 bytes (the 128-byte swizzle repeats every 8 rows of 128 B)
@@ -1183,40 +889,51 @@ __device__ __forceinline__ void dsv41c_wgmma_n{n}(float* d, const void* p, unsig
 
 
 def _cuda_wg_prim_func(kind, m, D):
-    """The wgmma mixing kernel for bf16 streams (`_WG`; module docstring, CUDA step 1).
+    """The column-resident wgmma mixing kernel for bf16 streams (module docstring, CUDA step 1).
 
     Grid (G = D / W column groups, P token groups), W = `_CR_W` = 256 columns of every stream per
-    CTA, blocks of BLK = `_WG_BLK` tokens, BLK / `_WG_TPW` warps.  The streams take the flat
-    kernel's access pattern: a warp works on whole tokens, lane L on columns 8L .. 8L + 7 of the
-    CTA's group, so each warp-wide 16-byte access is the group's 512 contiguous bytes of one row.
-    h_new (post_pre) and x are formed in the reference's order, as in the column-resident kernel.
-    The mixes GEMM is transposed, mixes^T [rows, BLK] = fn^T [rows, k] x h^T [k, BLK], so the
-    tokens are the wgmma's N and the block can be small: fn's slice stays in shared memory as the A
-    operand (K-major, 128-byte swizzle) for every token the CTA sees, as two bf16 pieces (hi + mid,
-    fn to about 2^-17 relative) in rows 16 w + 8 h + g for coefficient n = 8 w + g and piece h, so
-    a thread's accumulator holds both pieces of its coefficient (m = 4: 24 coefficients in 48 rows;
-    rows 48-63 read the next k block's rows and are never used).  Each warp writes its tokens' h_new
-    into the block's B tile (K-major, 128-byte swizzle, double buffered), then one CTA barrier, and
-    the first warpgroup issues the block's 64 wgmma m64nBLKk16 (k split into `_WG_KSPLIT`
-    accumulators, each from zero, added with IEEE adds) and goes on streaming; it waits for them
-    at the next block's barrier, and writes the block's mixes and sums of squares to the workspace
-    [G, T, 32] for the finalize kernel."""
+    CTA; the CTA takes blocks of BLK = `_WG_BLK` tokens (bp, bp + P, ...).  BLK / `_WG_TPW`
+    streaming warps, then one GEMM warpgroup; the two sides meet at one named barrier per block.
+    - Streams: the flat kernel's access pattern.  A warp works on whole tokens, lane L on columns
+      8L .. 8L + 7 of the CTA's group, so each warp-wide 16-byte access is the group's 512
+      contiguous bytes of one row.  The streams are held as uint32 words of two bf16, h_new
+      (post_pre) and x are formed in the reference's order, and the next block's streams and
+      coefficients are loaded while this one is computed (the coefficients reach shared memory
+      after this block's compute, so no thread waits for them before its stream loads).
+    - The mixes GEMM, transposed so the tokens are the wgmma's N and a block can be small:
+      mixes^T [rows, BLK] = fn^T [rows, k] x h^T [k, BLK], k = m * W.  fn's slice stays in shared
+      memory for every token the CTA sees, as the A operand (K-major, 128-byte swizzle) in two
+      bf16 pieces (hi + mid, fn to about 2^-17 relative; the products are exact in fp32), piece h
+      of coefficient n = 8w + g in row 16w + 8h + g, so one thread's accumulator holds both pieces
+      of its coefficient (m = 4: 24 coefficients in 48 rows; the wgmma's rows 48-63 read the next
+      k block's rows and are never used).  Each streaming warp writes its tokens' h_new into the
+      block's B tile (K-major, 128-byte swizzle, two buffers), fences it for the async proxy and
+      arrives at the block's barrier.
+    - The GEMM warpgroup waits at that barrier, issues the block's 64 wgmma m64nBLKk16 (the k
+      steps split over `_WG_KSPLIT` accumulators, each from zero, then added with IEEE adds: the
+      tensor cores' own accumulation drifts over long k), waits for them, and writes the block's
+      mixes and the streaming warps' sums of squares to the workspace [G, T, 32] for the finalize
+      kernel, then meets the streaming warps at the next block's barrier; so a B tile is written
+      again only after its wgmma have completed.  setmaxnreg moves registers from the GEMM
+      warpgroup (`_WG_GEMM_REGS`) to the streaming warps.  The wgmma and their waits sit in
+      branches on a warp-uniform warpgroup index, and the epilogue reads every accumulator
+      unconditionally: ptxas serialises every wgmma otherwise.
+    The wgmma are issued through inline PTX (`_WGMMA_PRELUDE`): TileLang's T.gemm divides a GEMM
+    over all the CTA's threads."""
     expand = kind == "post_pre"
     names = _PARAMS[kind, "main"]
     W, BLK, TPW, KS = _CR_W, _WG_BLK, _WG_TPW, _WG_KSPLIT
     NWp = BLK // TPW  # streaming warps
     nst = 32 * NWp
-    spec = bool(_WG_SPEC)
-    gw = NWp // 4 if spec else 0  # the warpgroup that issues the wgmma
-    nth = nst + 128 * spec
+    gw = NWp // 4  # the GEMM warpgroup, after the streaming warps
+    nth = nst + 128
     G = D // W
     S, N = _buffers(names, "bfloat16", m, D, G)
     mix = 2 * m + m * m
-    NTW = -(-mix // 8)  # accumulator warps holding coefficients
     K = m * W  # GEMM k per CTA
     steps = K // 16
     assert W == 256 and D % W == 0 and mix <= 24 and BLK % 8 == 0 and BLK % TPW == 0 and NWp >= 4
-    assert steps % KS == 0 and (not spec or NWp % 4 == 0)
+    assert steps % KS == 0 and NWp % 4 == 0
     # registers per thread with a GEMM warpgroup: the launch's share, then _WG_GEMM_REGS for the
     # GEMM warpgroup and the rest to the streaming warps (setmaxnreg), a multiple of 8 up to 248
     r0 = min(255, 65536 // nth) // 8 * 8
@@ -1231,7 +948,6 @@ def _cuda_wg_prim_func(kind, m, D):
     src = "RES" if expand else "H"
     pmax = max(1, _CR_WAVES * _SMS // G)
     nfv = mix * m * W // 4  # float4 vectors of fn's slice
-    prefetch = bool(_WG_PREFETCH)
     ncv = -(-BLK * ncf // nst)
     mul, add = _arith(True)
     prelude = _PACK_BF16X2 + _WGMMA_PRELUDE + _wgmma_fn(BLK) + "".join(
@@ -1239,11 +955,6 @@ def _cuda_wg_prim_func(kind, m, D):
 __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("setmaxnreg.{op}.sync.aligned.u32 {r};"); }}
 """ for op, r in (("dec", _WG_GEMM_REGS), ("inc", r_st)))
     nacc = BLK // 2  # accumulator registers of one wgmma
-
-    def Cos_of(R):
-        return R["Cos"]
-
-    assert prefetch or not spec, "the GEMM warpgroup needs the streams loaded a block ahead"
 
     def b_off(buf, r, j, lane):
         """Byte offset of the 16 bytes of token row r, stream j, columns 8 lane .. 8 lane + 7 in B tile buf."""
@@ -1320,10 +1031,9 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
                     for j in T.unroll(m):
                         for w in T.vectorized(4):
                             V["HN"][t, j, cw + w] = ol[j, w]
-            if _WG_ABLATE < 2:
-                for j in T.unroll(m):
-                    T.call_extern("handle", "dsv41c_sts128", sm, b_off(buf, r, j, lane),
-                                  ol[j, 0], ol[j, 1], ol[j, 2], ol[j, 3])
+            for j in T.unroll(m):
+                T.call_extern("handle", "dsv41c_sts128", sm, b_off(buf, r, j, lane),
+                              ol[j, 0], ol[j, 1], ol[j, 2], ol[j, 3])
             for o in [16, 8, 4, 2, 1]:
                 sq[0] = sq[0] + T.shfl_xor(sq[0], o)
             if lane == 0:
@@ -1360,23 +1070,16 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
         """Block number i (blk) of the CTA's blocks, by the streaming warps: up to the B tile's
         stores and the next block's coefficients stashed."""
         buf = i % 2
-        if prefetch:
-            for u in T.unroll(TPW):
-                for j in rows:
-                    for w in T.unroll(4):
-                        xl[u, j, w] = xn[u, j, w]
-            if i + 1 < nb:
-                load_streams(V, xn, blk + PV, q, cw)
-                fetch_coefs(B, cv, blk + PV, tx)
-        else:
-            load_streams(V, xl, blk, q, cw)
-            fetch_coefs(B, cv, blk, tx)
-            stash_coefs(Cos_of(R), buf, cv, tx)
-            T.sync_threads()
+        for u in T.unroll(TPW):
+            for j in rows:
+                for w in T.unroll(4):
+                    xl[u, j, w] = xn[u, j, w]
+        if i + 1 < nb:
+            load_streams(V, xn, blk + PV, q, cw)
+            fetch_coefs(B, cv, blk + PV, tx)
         compute(V, R, blk, buf, xl, q, lane, cw, sm)
         T.call_extern("handle", "dsv41c_fence_async")  # the B tile's stores, for the wgmma
-        if prefetch:
-            stash_coefs(Cos_of(R), 1 - buf, cv, tx)
+        stash_coefs(R["Cos"], 1 - buf, cv, tx)
 
     @T.macro
     def issue(R, buf, sm):
@@ -1448,49 +1151,26 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
             cw = bg * (W // 2) + lane * 4  # the lane's first word of each row
             R = {"Cos": Cos, "SQ": SQ, "ol": ol, "xo": xo, "hf": hf, "xf": xf, "hv": hv, "sq": sq, "acc": acc,
                  "tot": tot}
-            if prefetch:
-                if tx < nst:
-                    fetch_coefs(B, cv, bp, tx)
-                    stash_coefs(Cos, 0, cv, tx)
-                    load_streams(V, xn, bp, q, cw)
+            if tx < nst:
+                fetch_coefs(B, cv, bp, tx)
+                stash_coefs(Cos, 0, cv, tx)
+                load_streams(V, xn, bp, q, cw)
             T.call_extern("handle", "dsv41c_fence_async")
             T.sync_threads()  # fn^T in place; the first block's coefficients
-            if spec:
-                if wg == gw:  # the GEMM warpgroup: each block's wgmma, as soon as its B tile is written
-                    if r_st > r0:
-                        T.call_extern("handle", f"dsv41c_setmaxnreg_dec{_WG_GEMM_REGS}")
-                    for i in T.serial(nb):
-                        T.sync_threads(1, nth)
-                        if _WG_ABLATE < 1:
-                            issue(R, i % 2, sm)
-                            T.call_extern("handle", "dsv41c_wgmma_wait")
-                        epilogue(B, R, bp + i * PV, i % 2, tx - 128 * gw, bg)
-                else:
-                    if r_st > r0:
-                        T.call_extern("handle", f"dsv41c_setmaxnreg_inc{r_st}")
-                    for i in T.serial(nb):
-                        stream_block(B, V, R, i, bp + i * PV, nb, PV, xl, xn, cv, q, lane, cw, tx, sm)
-                        T.sync_threads(1, nth)  # B tile i written; the wgmma of block i - 1 done
-            else:
+            if wg == gw:  # the GEMM warpgroup: each block's wgmma, as soon as its B tile is written
+                if r_st > r0:
+                    T.call_extern("handle", f"dsv41c_setmaxnreg_dec{_WG_GEMM_REGS}")
                 for i in T.serial(nb):
-                    blk = bp + i * PV
-                    buf = i % 2
-                    stream_block(B, V, R, i, blk, nb, PV, xl, xn, cv, q, lane, cw, tx, sm)
-                    if wg == 0:
-                        if i > 0:
-                            if _WG_ABLATE < 1:
-                                T.call_extern("handle", "dsv41c_wgmma_wait")
-                            epilogue(B, R, blk - PV, 1 - buf, tx, bg)
-                    if _WG_ABLATE < 3:
-                        T.sync_threads()
-                    if _WG_ABLATE < 1:
-                        if wg == 0:
-                            issue(R, buf, sm)
-                if wg == 0:
-                    if nb > 0:
-                        if _WG_ABLATE < 1:
-                            T.call_extern("handle", "dsv41c_wgmma_wait")
-                        epilogue(B, R, bp + (nb - 1) * PV, (nb - 1) % 2, tx, bg)
+                    T.sync_threads(1, nth)
+                    issue(R, i % 2, sm)
+                    T.call_extern("handle", "dsv41c_wgmma_wait")
+                    epilogue(B, R, bp + i * PV, i % 2, tx - 128 * gw, bg)
+            else:
+                if r_st > r0:
+                    T.call_extern("handle", f"dsv41c_setmaxnreg_inc{r_st}")
+                for i in T.serial(nb):
+                    stream_block(B, V, R, i, bp + i * PV, nb, PV, xl, xn, cv, q, lane, cw, tx, sm)
+                    T.sync_threads(1, nth)  # B tile i written; the wgmma of block i - 1 done
 
     return names, _prim_func(names, S, body).with_attr(NO_SYNC_ATTR, 1)
 
