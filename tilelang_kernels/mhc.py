@@ -126,6 +126,9 @@ _WG_BLK = 16
 _WG_TPW = 2
 _WG_KSPLIT = 4
 _WG_GEMM_REGS = 88
+# CUDA mixing kernel for bf16 streams: blocks whose streams are in flight while one is computed (2:
+# three register sets, the block loop unrolled by three; prepared, not yet timed on a GPU)
+_WG_AHEAD = 1
 
 
 def column_resident(kind: str, dtype: str, D: int) -> bool:
@@ -955,25 +958,38 @@ def _cuda_wg_prim_func(kind, m, D):
 __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("setmaxnreg.{op}.sync.aligned.u32 {r};"); }}
 """ for op, r in (("dec", _WG_GEMM_REGS), ("inc", r_st)))
     nacc = BLK // 2  # accumulator registers of one wgmma
+    sets = list(range(_WG_AHEAD + 1))  # the register sets with _WG_AHEAD > 1 (a list: unrolled at trace time)
 
     def b_off(buf, r, j, lane):
         """Byte offset of the 16 bytes of token row r, stream j, columns 8 lane .. 8 lane + 7 in B tile buf."""
         kb = j * (W // 64) + lane // 8
         return a_bytes + buf * b_bytes + kb * b_kb + r * 128 + ((lane % 8) ^ (r % 8)) * 16
 
+    def at(xs, si, u, j, w):
+        """Word w of stream row j of the warp's token u in xs (its register set si, if not None)."""
+        return xs[u, j, w] if si is None else xs[si, u, j, w]
+
     @T.macro
-    def load_streams(V, xs, blk, q, cw):
-        """The warp's tokens of block blk (zeros past N), words cw .. cw + 3 of each row, into xs."""
+    def load_streams(V, xs, blk, q, cw, si=None):
+        """The warp's tokens of block blk (zeros past N), words cw .. cw + 3 of each row, into xs
+        (into its register set si, with `_WG_AHEAD` > 1)."""
         for u in T.unroll(TPW):
             t = blk * BLK + q * TPW + u
             if t < N:
                 for j in rows:
-                    for w in T.vectorized(4):
-                        xs[u, j, w] = V["Y"][t, cw + w] if j == m else V[src][t, j, cw + w]
+                    if si is None:
+                        for w in T.vectorized(4):
+                            xs[u, j, w] = V["Y"][t, cw + w] if j == m else V[src][t, j, cw + w]
+                    else:
+                        for w in T.vectorized(4):
+                            xs[si, u, j, w] = V["Y"][t, cw + w] if j == m else V[src][t, j, cw + w]
             else:
                 for j in rows:
                     for w in T.unroll(4):
-                        xs[u, j, w] = T.uint32(0)
+                        if si is None:
+                            xs[u, j, w] = T.uint32(0)
+                        else:
+                            xs[si, u, j, w] = T.uint32(0)
 
     @T.macro
     def fetch_coefs(B, cv, blk, tx):
@@ -997,8 +1013,12 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
                 Cos[buf, (v * nst + tx) // ncf, (v * nst + tx) % ncf] = cv[v]
 
     @T.macro
-    def compute(V, R, blk, buf, xl, q, lane, cw, sm):
-        """The warp's tokens of block blk: h_new and x stored, h_new into B tile buf, squares into SQ."""
+    def compute(V, R, blk, buf, xs, q, lane, cw, sm, si=None):
+        """The warp's tokens of block blk from xs (its register set si, with `_WG_AHEAD` > 1): h_new
+        and x stored, h_new into B tile buf, squares into SQ."""
+        def xl(u, j, w):
+            return xs[u, j, w] if si is None else xs[si, u, j, w]
+
         Cos, SQ, ol, xo, hf, xf, hv, sq = R["Cos"], R["SQ"], R["ol"], R["xo"], R["hf"], R["xf"], R["hv"], R["sq"]
         for u in T.unroll(TPW):
             r = q * TPW + u
@@ -1009,14 +1029,14 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
                     for h in [0, 1]:
                         for j, hj in enumerate(_expand_exprs(
                                 m, lambda coef: Cos[buf, r, coef],  # noqa: B023
-                                lambda src_row: _bf16_half(xl[u, src_row, w], h),  # noqa: B023
+                                lambda src_row: _bf16_half(at(xs, si, u, src_row, w), h),  # noqa: B023
                                 mul, add)):
                             hf[j, h] = hj
                     for j in T.unroll(m):
                         ol[j, w] = T.call_extern("uint32", "dsv41c_pack_bf16x2", hf[j, 0], hf[j, 1])
                 else:
                     for j in T.unroll(m):
-                        ol[j, w] = xl[u, j, w]
+                        ol[j, w] = at(xs, si, u, j, w)
                 for h in [0, 1]:
                     for j in T.unroll(m):
                         hv[j] = _bf16_half(ol[j, w], h)
@@ -1082,6 +1102,20 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
         stash_coefs(R["Cos"], 1 - buf, cv, tx)
 
     @T.macro
+    def stream_block_ahead(B, V, R, i, blk, nb, PV, X, si, cv, q, lane, cw, tx, sm):
+        """`stream_block` with `_WG_AHEAD` blocks in flight: block i's streams are in register set
+        si of X, and block i + _WG_AHEAD's go into set (si + _WG_AHEAD) % (_WG_AHEAD + 1), the one
+        block i - 1 was computed from."""
+        buf = i % 2
+        if i + _WG_AHEAD < nb:
+            load_streams(V, X, blk + _WG_AHEAD * PV, q, cw, (si + _WG_AHEAD) % (_WG_AHEAD + 1))
+        if i + 1 < nb:
+            fetch_coefs(B, cv, blk + PV, tx)
+        compute(V, R, blk, buf, X, q, lane, cw, sm, si)
+        T.call_extern("handle", "dsv41c_fence_async")  # the B tile's stores, for the wgmma
+        stash_coefs(R["Cos"], 1 - buf, cv, tx)
+
+    @T.macro
     def issue(R, buf, sm):
         acc = R["acc"]
         T.call_extern("handle", "dsv41c_wgmma_fence")
@@ -1103,8 +1137,11 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
             SQ = T.alloc_shared((2, BLK), "float32")
             fv = T.alloc_local((4,), "float32")
             hp = T.alloc_local((4,), "float32")
-            xl = T.alloc_local((TPW, len(rows), 4), "uint32")
-            xn = T.alloc_local((TPW, len(rows), 4), "uint32")
+            if _WG_AHEAD == 1:
+                xl = T.alloc_local((TPW, len(rows), 4), "uint32")
+                xn = T.alloc_local((TPW, len(rows), 4), "uint32")
+            else:  # register sets, one per block in flight and one computed
+                X = T.alloc_local((_WG_AHEAD + 1, TPW, len(rows), 4), "uint32")
             ol = T.alloc_local((m, 4), "uint32")
             xo = T.alloc_local((4,), "uint32")
             hf = T.alloc_local((m, 2), "float32")
@@ -1154,7 +1191,11 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
             if tx < nst:
                 fetch_coefs(B, cv, bp, tx)
                 stash_coefs(Cos, 0, cv, tx)
-                load_streams(V, xn, bp, q, cw)
+                if _WG_AHEAD == 1:
+                    load_streams(V, xn, bp, q, cw)
+                else:
+                    for k in sets[:-1]:
+                        load_streams(V, X, bp + k * PV, q, cw, k)
             T.call_extern("handle", "dsv41c_fence_async")
             T.sync_threads()  # fn^T in place; the first block's coefficients
             if wg == gw:  # the GEMM warpgroup: each block's wgmma, as soon as its B tile is written
@@ -1168,9 +1209,18 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
             else:
                 if r_st > r0:
                     T.call_extern("handle", f"dsv41c_setmaxnreg_inc{r_st}")
-                for i in T.serial(nb):
-                    stream_block(B, V, R, i, bp + i * PV, nb, PV, xl, xn, cv, q, lane, cw, tx, sm)
-                    T.sync_threads(1, nth)  # B tile i written; the wgmma of block i - 1 done
+                if _WG_AHEAD == 1:
+                    for i in T.serial(nb):
+                        stream_block(B, V, R, i, bp + i * PV, nb, PV, xl, xn, cv, q, lane, cw, tx, sm)
+                        T.sync_threads(1, nth)  # B tile i written; the wgmma of block i - 1 done
+                else:  # unrolled by the number of register sets, so each block's set is static
+                    for i3 in T.serial(T.ceildiv(nb, _WG_AHEAD + 1)):
+                        for si in sets:
+                            if i3 * (_WG_AHEAD + 1) + si < nb:
+                                stream_block_ahead(B, V, R, i3 * (_WG_AHEAD + 1) + si,
+                                                   bp + (i3 * (_WG_AHEAD + 1) + si) * PV, nb, PV, X, si, cv, q,
+                                                   lane, cw, tx, sm)
+                                T.sync_threads(1, nth)
 
     return names, _prim_func(names, S, body).with_attr(NO_SYNC_ATTR, 1)
 
