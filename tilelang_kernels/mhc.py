@@ -1016,9 +1016,6 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
     def compute(V, R, blk, buf, xs, q, lane, cw, sm, si=None):
         """The warp's tokens of block blk from xs (its register set si, with `_WG_AHEAD` > 1): h_new
         and x stored, h_new into B tile buf, squares into SQ."""
-        def xl(u, j, w):
-            return xs[u, j, w] if si is None else xs[si, u, j, w]
-
         Cos, SQ, ol, xo, hf, xf, hv, sq = R["Cos"], R["SQ"], R["ol"], R["xo"], R["hf"], R["xf"], R["hv"], R["sq"]
         for u in T.unroll(TPW):
             r = q * TPW + u
@@ -1062,7 +1059,8 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
     @T.macro
     def epilogue(B, R, blk, buf, tx, bg):
         """Block blk's mixes from the accumulators (hi + mid rows of the thread's coefficient), and
-        its sums of squares, to the workspace (first warpgroup, after its wgmma have completed).
+        its sums of squares, to the workspace (the GEMM warpgroup, tx its thread index in it, after
+        the block's wgmma have completed).
         Every thread of the warpgroup reads all its accumulators, unconditionally: a read in a
         divergent branch makes ptxas serialise every wgmma."""
         acc, tot, SQ = R["acc"], R["tot"], R["SQ"]
