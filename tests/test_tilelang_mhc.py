@@ -279,6 +279,64 @@ def test_cuda_wgmma_kernel_lowers_for_sm90(kind, tuning, monkeypatch):
     assert "__fmul_rn" in src and "__fadd_rn" in src
 
 
+@pytest.mark.parametrize("m,blk", ((4, 16), (4, 24), (2, 16)))
+def test_wgmma_shared_layout_feeds_the_mixes_gemm(m, blk):
+    """The wgmma mixing kernel's shared-memory layout (`_WgLayout`), checked without a GPU: fn^T's
+    pieces and a B tile of h^T are written as the kernel writes them, then read back as the
+    hardware reads a K-major, 128-byte-swizzled wgmma operand (address bits 4-6 XOR bits 7-9 of the
+    address the descriptor's start, 1024 B per 8 rows and 128 B per row give), k step by k step.
+    The GEMM of what was read must be the mixes GEMM of the pieces: every coefficient's hi and
+    mid rows, every token, every k."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    W, mix = K._CR_W, 2 * m + m * m
+    L = K._WgLayout(m, W, blk)
+    fn = torch.randn(mix, m * W, generator=g, dtype=torch.float64)  # fn's slice: k = j * W + column
+    h = torch.randn(blk, m * W, generator=g, dtype=torch.float64)  # the block's tokens
+    words = {}  # shared memory as 8-byte words of 4 values (2 B each), by byte offset // 8
+
+    def put(off, values):
+        assert off % 8 == 0 and off // 8 not in words, f"byte {off} written twice or unaligned"
+        words[off // 8] = values
+
+    for n in range(mix):
+        for k in range(0, m * W, 4):
+            put(L.a(n, 0, k), fn[n, k:k + 4].tolist())
+            put(L.a(n, 1, k), (fn[n, k:k + 4] * 2.0 ** -9).tolist())  # the mid piece, told apart by scale
+    buf = 1
+    for r in range(blk):
+        for j in range(m):
+            for lane in range(W // 8):
+                off = L.b(buf, r, j, lane)
+                k = j * W + 8 * lane
+                put(off, h[r, k:k + 4].tolist())
+                put(off + 8, h[r, k + 4:k + 8].tolist())
+
+    def element(start, row, kk):
+        """Element kk (0..15) of row `row` of a k step whose descriptor starts at byte `start`."""
+        addr = start + row // 8 * 1024 + row % 8 * 128 + 2 * kk
+        addr ^= (addr >> 7 & 7) << 4  # the 128-byte swizzle, from the address bits
+        word = words.get(addr // 8)
+        assert word is not None, f"row {row}, k {kk}: byte {addr} was never written (seed {seed})"
+        return word[addr % 8 // 2]
+
+    # the A rows that hold a coefficient's piece; the wgmma's other rows (up to 64) are read too, but
+    # their accumulator rows are never used
+    used = [16 * (n // 8) + 8 * hp + n % 8 for n in range(mix) for hp in (0, 1)]
+    got = torch.zeros(48, blk, dtype=torch.float64)
+    for st in range(L.steps):
+        a = torch.tensor([[element(L.a_step(st), rho, kk) if rho in used else 0.0 for kk in range(16)]
+                          for rho in range(48)], dtype=torch.float64)
+        b = torch.tensor([[element(L.b_step(buf, st), r, kk) for kk in range(16)] for r in range(blk)],
+                         dtype=torch.float64)
+        got += a @ b.T
+    for n in range(mix):
+        rho = 16 * (n // 8) + n % 8
+        want = fn[n] @ h.T
+        torch.testing.assert_close(got[rho], want, msg=f"hi piece of coefficient {n}, seed {seed}")
+        torch.testing.assert_close(got[rho + 8], want * 2.0 ** -9, msg=f"mid piece of coefficient {n}, seed {seed}")
+
+
 def test_cuda_post_collapse_lowers_for_sm90():
     """The flat post_collapse kernel: 16-byte loads and stores, no shared memory, no barrier."""
     src = _sm90_source("post_collapse", "bfloat16")

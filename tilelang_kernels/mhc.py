@@ -874,6 +874,41 @@ __device__ __forceinline__ void dsv41c_wgmma_wait() { asm volatile("wgmma.wait_g
 """
 
 
+class _WgLayout:
+    """Byte offsets in the wgmma mixing kernel's shared memory (from the 1024-aligned base): fn^T's
+    two pieces (the A operand), then two B tiles of h^T.  Both are K-major with the 128-byte
+    swizzle: a 64-k block of an operand is its rows of 128 B, 8-row groups 1024 B apart, and the
+    16-byte chunk c of row r sits at chunk c ^ (r % 8).  The methods take ints or TIR expressions
+    (the kernel's and the tests' one definition)."""
+
+    def __init__(self, m: int, W: int, BLK: int):
+        self.steps = m * W // 16  # k steps of 16
+        self.a_kb = 48 * 128  # one 64-k block of fn^T: 48 rows (the wgmma's rows 48-63 overlap the next)
+        self.a_bytes = self.steps // 4 * self.a_kb + 2048  # + the last block's overlap
+        self.b_kb = BLK * 128
+        self.b_bytes = self.steps // 4 * self.b_kb
+        self.smem = 1024 + self.a_bytes + 2 * self.b_bytes  # + the rounding up to 1024
+        self.W = W
+
+    def a(self, n, h, k):
+        """The 8 bytes of piece h of coefficient n, k .. k + 3 (k a multiple of 4): row
+        16 (n // 8) + 8 h + n % 8, so a thread's accumulator holds both pieces of its coefficient."""
+        rho = 16 * (n // 8) + 8 * h + n % 8
+        return k // 64 * self.a_kb + rho * 128 + ((k % 64 // 8) ^ (rho % 8)) * 16 + k % 8 // 4 * 8
+
+    def b(self, buf, r, j, lane):
+        """The 16 bytes of token row r, stream j, columns 8 lane .. 8 lane + 7 in B tile buf."""
+        kb = j * (self.W // 64) + lane // 8
+        return self.a_bytes + buf * self.b_bytes + kb * self.b_kb + r * 128 + ((lane % 8) ^ (r % 8)) * 16
+
+    def a_step(self, st):
+        """The A descriptor's start for k step st (32 bytes of each row a step)."""
+        return st // 4 * self.a_kb + st % 4 * 32
+
+    def b_step(self, buf, st):
+        return self.a_bytes + buf * self.b_bytes + st // 4 * self.b_kb + st % 4 * 32
+
+
 def _wgmma_fn(n: int) -> str:
     """`dsv41c_wgmma_n<n>(d, p, a_off, b_off, acc)`: one wgmma m64n<n>k16, bf16 operands from shared
     memory (descriptors at offsets a_off, b_off of `p`), fp32 accumulator d[0 : n / 2]; acc = 0
@@ -941,11 +976,7 @@ def _cuda_wg_prim_func(kind, m, D):
     # GEMM warpgroup and the rest to the streaming warps (setmaxnreg), a multiple of 8 up to 248
     r0 = min(255, 65536 // nth) // 8 * 8
     r_st = min(248, (r0 * nth - 128 * _WG_GEMM_REGS) // nst // 8 * 8)
-    a_kb = 48 * 128  # bytes of one 64-k block of fn^T (48 rows; the wgmma's rows 48-63 overlap the next)
-    a_bytes = steps // 4 * a_kb + 2048  # + the last block's overlap
-    b_kb = BLK * 128
-    b_bytes = steps // 4 * b_kb
-    smem = 1024 + a_bytes + 2 * b_bytes  # + the rounding up to 1024
+    L = _WgLayout(m, W, BLK)
     ncf = (m + m * m if expand else 0) + m  # per-token coefficients: post, comb, pre_delayed
     rows = list(range(m + 1 if expand else m))
     src = "RES" if expand else "H"
@@ -959,11 +990,6 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
 """ for op, r in (("dec", _WG_GEMM_REGS), ("inc", r_st)))
     nacc = BLK // 2  # accumulator registers of one wgmma
     sets = list(range(_WG_AHEAD + 1))  # the register sets with _WG_AHEAD > 1 (a list: unrolled at trace time)
-
-    def b_off(buf, r, j, lane):
-        """Byte offset of the 16 bytes of token row r, stream j, columns 8 lane .. 8 lane + 7 in B tile buf."""
-        kb = j * (W // 64) + lane // 8
-        return a_bytes + buf * b_bytes + kb * b_kb + r * 128 + ((lane % 8) ^ (r % 8)) * 16
 
     def at(xs, si, u, j, w):
         """Word w of stream row j of the warp's token u in xs (its register set si, if not None)."""
@@ -1049,7 +1075,7 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
                         for w in T.vectorized(4):
                             V["HN"][t, j, cw + w] = ol[j, w]
             for j in T.unroll(m):
-                T.call_extern("handle", "dsv41c_sts128", sm, b_off(buf, r, j, lane),
+                T.call_extern("handle", "dsv41c_sts128", sm, L.b(buf, r, j, lane),
                               ol[j, 0], ol[j, 1], ol[j, 2], ol[j, 3])
             for o in [16, 8, 4, 2, 1]:
                 sq[0] = sq[0] + T.shfl_xor(sq[0], o)
@@ -1121,7 +1147,7 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
             for s in T.unroll(steps // KS):
                 st = ks * (steps // KS) + s
                 T.call_extern("handle", f"dsv41c_wgmma_n{BLK}", T.address_of(acc[ks * nacc]), sm,
-                              st // 4 * a_kb + st % 4 * 32, a_bytes + buf * b_bytes + st // 4 * b_kb + st % 4 * 32,
+                              L.a_step(st), L.b_step(buf, st),
                               0 if s == 0 else 1)
         T.call_extern("handle", "dsv41c_wgmma_commit")
 
@@ -1130,7 +1156,7 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
         with T.Kernel(G, T.min(T.ceildiv(N, BLK), pmax), threads=nth, prelude=prelude) as (bg, bp):
             tx = T.get_thread_binding()
             V = {n: T.view(B[n], (N, *B[n].shape[1:-1], D // 2), "uint32") for n in names if n in _STREAMS}
-            SMB = T.alloc_shared((smem // 4,), "uint32")
+            SMB = T.alloc_shared((L.smem // 4,), "uint32")
             Cos = T.alloc_shared((2, BLK, ncf), "float32")
             SQ = T.alloc_shared((2, BLK), "float32")
             fv = T.alloc_local((4,), "float32")
@@ -1168,14 +1194,12 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
                         hp[e] = T.Cast("float32", T.Cast("bfloat16", fv[e]))
                     k = j * W + col
                     for h in [0, 1]:
-                        rho = 16 * (n // 8) + 8 * h + n % 8
-                        off = k // 64 * a_kb + rho * 128 + ((k % 64 // 8) ^ (rho % 8)) * 16 + k % 8 // 4 * 8
                         if h == 0:
-                            T.call_extern("handle", "dsv41c_sts64", sm, off,
+                            T.call_extern("handle", "dsv41c_sts64", sm, L.a(n, h, k),
                                           T.call_extern("uint32", "dsv41c_pack_bf16x2", hp[0], hp[1]),
                                           T.call_extern("uint32", "dsv41c_pack_bf16x2", hp[2], hp[3]))
                         else:
-                            T.call_extern("handle", "dsv41c_sts64", sm, off,
+                            T.call_extern("handle", "dsv41c_sts64", sm, L.a(n, h, k),
                                           T.call_extern("uint32", "dsv41c_pack_bf16x2", fv[0] - hp[0], fv[1] - hp[1]),
                                           T.call_extern("uint32", "dsv41c_pack_bf16x2", fv[2] - hp[2], fv[3] - hp[3]))
             q = tx // 32
