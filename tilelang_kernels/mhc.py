@@ -968,15 +968,13 @@ def _cuda_wg_prim_func(kind, m, D):
     G = D // W
     S, N = _buffers(names, "bfloat16", m, D, G)
     mix = 2 * m + m * m
-    K = m * W  # GEMM k per CTA
-    steps = K // 16
+    L = _WgLayout(m, W, BLK)
     assert W == 256 and D % W == 0 and mix <= 24 and BLK % 8 == 0 and BLK % TPW == 0 and NWp >= 4
-    assert steps % KS == 0 and NWp % 4 == 0
+    assert L.steps % KS == 0 and NWp % 4 == 0
     # registers per thread with a GEMM warpgroup: the launch's share, then _WG_GEMM_REGS for the
     # GEMM warpgroup and the rest to the streaming warps (setmaxnreg), a multiple of 8 up to 248
     r0 = min(255, 65536 // nth) // 8 * 8
     r_st = min(248, (r0 * nth - 128 * _WG_GEMM_REGS) // nst // 8 * 8)
-    L = _WgLayout(m, W, BLK)
     ncf = (m + m * m if expand else 0) + m  # per-token coefficients: post, comb, pre_delayed
     rows = list(range(m + 1 if expand else m))
     src = "RES" if expand else "H"
@@ -991,9 +989,10 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
     nacc = BLK // 2  # accumulator registers of one wgmma
     sets = list(range(_WG_AHEAD + 1))  # the register sets with _WG_AHEAD > 1 (a list: unrolled at trace time)
 
-    def at(xs, si, u, j, w):
-        """Word w of stream row j of the warp's token u in xs (its register set si, if not None)."""
-        return xs[u, j, w] if si is None else xs[si, u, j, w]
+    def at(si, u, j, w):
+        """The index in xs of word w of stream row j of the warp's token u (in its register set si,
+        if not None)."""
+        return (u, j, w) if si is None else (si, u, j, w)
 
     @T.macro
     def load_streams(V, xs, blk, q, cw, si=None):
@@ -1003,19 +1002,12 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
             t = blk * BLK + q * TPW + u
             if t < N:
                 for j in rows:
-                    if si is None:
-                        for w in T.vectorized(4):
-                            xs[u, j, w] = V["Y"][t, cw + w] if j == m else V[src][t, j, cw + w]
-                    else:
-                        for w in T.vectorized(4):
-                            xs[si, u, j, w] = V["Y"][t, cw + w] if j == m else V[src][t, j, cw + w]
+                    for w in T.vectorized(4):
+                        xs[at(si, u, j, w)] = V["Y"][t, cw + w] if j == m else V[src][t, j, cw + w]
             else:
                 for j in rows:
                     for w in T.unroll(4):
-                        if si is None:
-                            xs[u, j, w] = T.uint32(0)
-                        else:
-                            xs[si, u, j, w] = T.uint32(0)
+                        xs[at(si, u, j, w)] = T.uint32(0)
 
     @T.macro
     def fetch_coefs(B, cv, blk, tx):
@@ -1052,14 +1044,14 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
                     for h in [0, 1]:
                         for j, hj in enumerate(_expand_exprs(
                                 m, lambda coef: Cos[buf, r, coef],  # noqa: B023
-                                lambda src_row: _bf16_half(at(xs, si, u, src_row, w), h),  # noqa: B023
+                                lambda src_row: _bf16_half(xs[at(si, u, src_row, w)], h),  # noqa: B023
                                 mul, add)):
                             hf[j, h] = hj
                     for j in T.unroll(m):
                         ol[j, w] = T.call_extern("uint32", "dsv41c_pack_bf16x2", hf[j, 0], hf[j, 1])
                 else:
                     for j in T.unroll(m):
-                        ol[j, w] = at(xs, si, u, j, w)
+                        ol[j, w] = xs[at(si, u, j, w)]
                 for h in [0, 1]:
                     for j in T.unroll(m):
                         hv[j] = _bf16_half(ol[j, w], h)
@@ -1144,8 +1136,8 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
         acc = R["acc"]
         T.call_extern("handle", "dsv41c_wgmma_fence")
         for ks in T.unroll(KS):
-            for s in T.unroll(steps // KS):
-                st = ks * (steps // KS) + s
+            for s in T.unroll(L.steps // KS):
+                st = ks * (L.steps // KS) + s
                 T.call_extern("handle", f"dsv41c_wgmma_n{BLK}", T.address_of(acc[ks * nacc]), sm,
                               L.a_step(st), L.b_step(buf, st),
                               0 if s == 0 else 1)
