@@ -9,10 +9,17 @@ What must hold:
   * streams and x (h_new, collapse): bit-identical to the ref.  They depend only on the inputs and
     the kernels use the ref's fp32 operation order with one rounding per operation.
   * pre/post/comb: the mixes GEMM sums m*D products in another order (and on the GPU through
-    bf16 pieces on the tensor cores: fn to 2^-24 in three pieces, or in the kernel for bf16
-    streams to about 2^-17 in two), so they agree to about fp32 accuracy: MIX_TOL below.  The
-    coefficients are O(1) (pre in (0, 1], post in (0, 2), comb columns sum to ~1); 1e-5 keeps the
-    stream update an order below DESIGN.md's 1e-4 compiled-vs-eager fp32 bound.
+    bf16 pieces on the tensor cores: fn to 2^-24 in three pieces), so they agree to about fp32
+    accuracy: MIX_TOL below.  The coefficients are O(1) (pre in (0, 1], post in (0, 2), comb
+    columns sum to ~1); 1e-5 keeps the stream update an order below DESIGN.md's 1e-4
+    compiled-vs-eager fp32 bound.
+  * The CUDA kernel for bf16 streams (`K.column_resident`) holds fn in two bf16 pieces (about
+    2^-17 relative), so its mixes get MIX_TOL_TWO_PIECES.  Emulated on the CPU (fn in two pieces,
+    exact sums, D = 5120, 1024 tokens, 3 seeds) that alone is 3e-6 to 1.1e-5 max abs from float64,
+    where the fp32 ref is 0.4e-6 to 3.4e-6.  On an H200, under MIX_TOL, 10 of 154 checks at
+    T = 4099 failed, all on post, on 1 to 3 of 16,396 values, max abs 1.4e-5 to 2.1e-5 (the
+    streams were bit-exact in all).  1e-4 is 5x that largest, and bf16-stream models are held to
+    DESIGN.md's 2e-2 bf16 bound.
 """
 
 import secrets
@@ -27,6 +34,7 @@ DTYPES = (torch.float32, torch.bfloat16)
 TOKENS = (1, 7, 128, 4096)
 HC = {"norm_eps": 1e-20, "hc_eps": 1e-6, "iters": 20}
 MIX_TOL = {"rtol": 1e-5, "atol": 1e-5}
+MIX_TOL_TWO_PIECES = {"rtol": 1e-5, "atol": 1e-4}
 INT = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -87,11 +95,11 @@ def assert_bits(got, want, what):
                               f"got {got[tuple(bad[:4].T)].tolist()} want {want[tuple(bad[:4].T)].tolist()}")
 
 
-def assert_mixes(got, want, what):
+def assert_mixes(got, want, what, tol=MIX_TOL):
     for name, g, w in zip(("pre", "post", "comb"), got, want):
         assert g.dtype == torch.float32 and g.shape == w.shape, (what, name, g.dtype, g.shape)
         assert torch.isfinite(g).all(), f"{what} {name}: not finite"
-        torch.testing.assert_close(g.cpu(), w, **MIX_TOL, msg=lambda s, name=name: f"{what} {name}: {s}")
+        torch.testing.assert_close(g.cpu(), w, **tol, msg=lambda s, name=name: f"{what} {name}: {s}")
 
 
 def check(kind, dtype, n, d, device, m=4):
@@ -103,7 +111,8 @@ def check(kind, dtype, n, d, device, m=4):
     for i in range(n_streams):
         assert_bits(got[i], want[i], f"{what} output {i}")
     if CASES[kind][3]:
-        assert_mixes(got[n_streams:], want[n_streams:], what)
+        two = device == "cuda" and K.column_resident(kind, str(dtype).removeprefix("torch."), d)
+        assert_mixes(got[n_streams:], want[n_streams:], what, MIX_TOL_TWO_PIECES if two else MIX_TOL)
     return a, got
 
 
@@ -240,7 +249,9 @@ def test_cuda_build_lowers_for_sm90():
         assert "cp_async_gs_conditional<16>" in src and f"cp_async_wait<{K._STAGES - 1}>" in src
 
 
-WG_TUNINGS = ({}, {"_WG_KSPLIT": 2}, {"_WG_TPW": 1}, {"_WG_BLK": 24, "_WG_TPW": 3}, {"_WG_AHEAD": 2})
+# (the last: each op with the number of blocks in flight that the other has by default)
+WG_TUNINGS = ({}, {"_WG_KSPLIT": 2}, {"_WG_TPW": 1}, {"_WG_BLK": 24, "_WG_TPW": 3},
+              {"_WG_AHEAD_PRE": 1, "_WG_AHEAD_POST_PRE": 2})
 
 
 def _wg_tuning(monkeypatch, **tuning):
@@ -269,7 +280,8 @@ def test_cuda_wgmma_kernel_lowers_for_sm90(kind, tuning, monkeypatch):
     threads = 32 * blk // K._WG_TPW + 128
     assert f"__launch_bounds__({threads}, 1)" in body
     # (with more blocks in flight, the streaming warps' loop is unrolled by the number of register sets)
-    barriers = 2 if K._WG_AHEAD == 1 else K._WG_AHEAD + 2
+    ahead = K._WG_AHEAD_PRE if kind == "pre" else K._WG_AHEAD_POST_PRE
+    barriers = 2 if ahead == 1 else ahead + 2
     assert body.count("__syncthreads()") == 1 and body.count(f"__sync_thread_partial(1, {threads})") == barriers
     # with 8 streaming warps, registers move from the GEMM warpgroup to them
     assert ("dsv41c_setmaxnreg_dec" in body) == ("dsv41c_setmaxnreg_inc" in body) == (threads == 384)

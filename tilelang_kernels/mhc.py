@@ -126,9 +126,12 @@ _WG_BLK = 16
 _WG_TPW = 2
 _WG_KSPLIT = 4
 _WG_GEMM_REGS = 88
-# CUDA mixing kernel for bf16 streams: blocks whose streams are in flight while one is computed (2:
-# three register sets, the block loop unrolled by three; prepared, not yet timed on a GPU)
-_WG_AHEAD = 1
+# CUDA mixing kernel for bf16 streams: blocks whose streams are in flight while one is computed, for
+# pre and post_pre (2: three register sets, the block loop unrolled by three).  Timed on an H200
+# (BENCHMARKS.md "mHC kernels"): 2 takes pre from 65% to 69% of the bound at T = 65536; it takes
+# post_pre from 76% to 65% (its three sets spill).
+_WG_AHEAD_PRE = 2
+_WG_AHEAD_POST_PRE = 1
 
 
 def column_resident(kind: str, dtype: str, D: int) -> bool:
@@ -935,8 +938,9 @@ def _cuda_wg_prim_func(kind, m, D):
     - Streams: the flat kernel's access pattern.  A warp works on whole tokens, lane L on columns
       8L .. 8L + 7 of the CTA's group, so each warp-wide 16-byte access is the group's 512
       contiguous bytes of one row.  The streams are held as uint32 words of two bf16, h_new
-      (post_pre) and x are formed in the reference's order, and the next block's streams and
-      coefficients are loaded while this one is computed (the coefficients reach shared memory
+      (post_pre) and x are formed in the reference's order, and the next block's streams (pre:
+      the next two blocks', `_WG_AHEAD_PRE`) and coefficients are loaded while this one is
+      computed (the coefficients reach shared memory
       after this block's compute, so no thread waits for them before its stream loads).
     - The mixes GEMM, transposed so the tokens are the wgmma's N and a block can be small:
       mixes^T [rows, BLK] = fn^T [rows, k] x h^T [k, BLK], k = m * W.  fn's slice stays in shared
@@ -961,6 +965,7 @@ def _cuda_wg_prim_func(kind, m, D):
     expand = kind == "post_pre"
     names = _PARAMS[kind, "main"]
     W, BLK, TPW, KS = _CR_W, _WG_BLK, _WG_TPW, _WG_KSPLIT
+    AH = _WG_AHEAD_POST_PRE if expand else _WG_AHEAD_PRE  # blocks in flight
     NWp = BLK // TPW  # streaming warps
     nst = 32 * NWp
     gw = NWp // 4  # the GEMM warpgroup, after the streaming warps
@@ -987,7 +992,7 @@ def _cuda_wg_prim_func(kind, m, D):
 __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("setmaxnreg.{op}.sync.aligned.u32 {r};"); }}
 """ for op, r in (("dec", _WG_GEMM_REGS), ("inc", r_st)))
     nacc = BLK // 2  # accumulator registers of one wgmma
-    sets = list(range(_WG_AHEAD + 1))  # the register sets with _WG_AHEAD > 1 (a list: unrolled at trace time)
+    sets = list(range(AH + 1))  # the register sets with AH > 1 (a list: unrolled at trace time)
 
     def at(si, u, j, w):
         """The index in xs of word w of stream row j of the warp's token u (in its register set si,
@@ -997,7 +1002,7 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
     @T.macro
     def load_streams(V, xs, blk, q, cw, si=None):
         """The warp's tokens of block blk (zeros past N), words cw .. cw + 3 of each row, into xs
-        (into its register set si, with `_WG_AHEAD` > 1)."""
+        (into its register set si, with `AH` > 1)."""
         for u in T.unroll(TPW):
             t = blk * BLK + q * TPW + u
             if t < N:
@@ -1032,7 +1037,7 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
 
     @T.macro
     def compute(V, R, blk, buf, xs, q, lane, cw, sm, si=None):
-        """The warp's tokens of block blk from xs (its register set si, with `_WG_AHEAD` > 1): h_new
+        """The warp's tokens of block blk from xs (its register set si, with `AH` > 1): h_new
         and x stored, h_new into B tile buf, squares into SQ."""
         Cos, SQ, ol, xo, hf, xf, hv, sq = R["Cos"], R["SQ"], R["ol"], R["xo"], R["hf"], R["xf"], R["hv"], R["sq"]
         for u in T.unroll(TPW):
@@ -1119,12 +1124,12 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
 
     @T.macro
     def stream_block_ahead(B, V, R, i, blk, nb, PV, X, si, cv, q, lane, cw, tx, sm):
-        """`stream_block` with `_WG_AHEAD` blocks in flight: block i's streams are in register set
-        si of X, and block i + _WG_AHEAD's go into set (si + _WG_AHEAD) % (_WG_AHEAD + 1), the one
+        """`stream_block` with `AH` blocks in flight: block i's streams are in register set
+        si of X, and block i + AH's go into set (si + AH) % (AH + 1), the one
         block i - 1 was computed from."""
         buf = i % 2
-        if i + _WG_AHEAD < nb:
-            load_streams(V, X, blk + _WG_AHEAD * PV, q, cw, (si + _WG_AHEAD) % (_WG_AHEAD + 1))
+        if i + AH < nb:
+            load_streams(V, X, blk + AH * PV, q, cw, (si + AH) % (AH + 1))
         if i + 1 < nb:
             fetch_coefs(B, cv, blk + PV, tx)
         compute(V, R, blk, buf, X, q, lane, cw, sm, si)
@@ -1153,11 +1158,11 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
             SQ = T.alloc_shared((2, BLK), "float32")
             fv = T.alloc_local((4,), "float32")
             hp = T.alloc_local((4,), "float32")
-            if _WG_AHEAD == 1:
+            if AH == 1:
                 xl = T.alloc_local((TPW, len(rows), 4), "uint32")
                 xn = T.alloc_local((TPW, len(rows), 4), "uint32")
             else:  # register sets, one per block in flight and one computed
-                X = T.alloc_local((_WG_AHEAD + 1, TPW, len(rows), 4), "uint32")
+                X = T.alloc_local((AH + 1, TPW, len(rows), 4), "uint32")
             ol = T.alloc_local((m, 4), "uint32")
             xo = T.alloc_local((4,), "uint32")
             hf = T.alloc_local((m, 2), "float32")
@@ -1205,7 +1210,7 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
             if tx < nst:
                 fetch_coefs(B, cv, bp, tx)
                 stash_coefs(Cos, 0, cv, tx)
-                if _WG_AHEAD == 1:
+                if AH == 1:
                     load_streams(V, xn, bp, q, cw)
                 else:
                     for k in sets[:-1]:
@@ -1223,16 +1228,16 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
             else:
                 if r_st > r0:
                     T.call_extern("handle", f"dsv41c_setmaxnreg_inc{r_st}")
-                if _WG_AHEAD == 1:
+                if AH == 1:
                     for i in T.serial(nb):
                         stream_block(B, V, R, i, bp + i * PV, nb, PV, xl, xn, cv, q, lane, cw, tx, sm)
                         T.sync_threads(1, nth)  # B tile i written; the wgmma of block i - 1 done
                 else:  # unrolled by the number of register sets, so each block's set is static
-                    for i3 in T.serial(T.ceildiv(nb, _WG_AHEAD + 1)):
+                    for i3 in T.serial(T.ceildiv(nb, AH + 1)):
                         for si in sets:
-                            if i3 * (_WG_AHEAD + 1) + si < nb:
-                                stream_block_ahead(B, V, R, i3 * (_WG_AHEAD + 1) + si,
-                                                   bp + (i3 * (_WG_AHEAD + 1) + si) * PV, nb, PV, X, si, cv, q,
+                            if i3 * (AH + 1) + si < nb:
+                                stream_block_ahead(B, V, R, i3 * (AH + 1) + si,
+                                                   bp + (i3 * (AH + 1) + si) * PV, nb, PV, X, si, cv, q,
                                                    lane, cw, tx, sm)
                                 T.sync_threads(1, nth)
 
