@@ -115,6 +115,30 @@ def test_a_call_past_the_recompile_limit_is_an_input_error():
         torch._dynamo.reset()
 
 
+def test_a_call_that_a_compiled_graph_serves_skips_the_compile_settings(monkeypatch):
+    """`CompiledModel.__call__` enters Dynamo's and Inductor's settings (`_compile_and_run`) only
+    for a call that needs a new graph; the calls a compiled graph serves run it directly, with the
+    same logits as eager."""
+    args = first_four_args()
+    model, eager = dsv41c.build_model(args, seed=0), dsv41c.build_model(args, seed=0)
+    ids = torch.randint(0, args.vocab_size, (1, 6), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    try:
+        compiled = dsv41c_compile(model, backend="passes_only", strict=True)
+        inner, entered = compiled._compile_and_run, []
+        monkeypatch.setattr(compiled, "_compile_and_run", lambda a, graphed: entered.append(a[1]) or inner(a, graphed))
+        got, want = compiled(ids, 0), eager(ids, 0)
+        for pos in (6, 7, 8):
+            assert golden.relative_error(got, want) <= 1e-4
+            token = want.argmax(-1, keepdim=True)
+            got, want = compiled(token, pos), eager(token, pos)
+        assert golden.relative_error(got, want) <= 1e-4
+        assert entered == [0, 6] and compiled.graphs == 2           # the prefill and the decode step
+        assert compiled.pipeline.stats["fuse_wqa_wkv"].matches >= args.n_layers * 2
+    finally:
+        torch._dynamo.reset()
+
+
 @pytest.fixture
 def emulated_cudagraphs(monkeypatch):
     """The CPU emulation of `cudagraphs=True`: Inductor partitions CPU nodes as it would CUDA ones
