@@ -250,7 +250,7 @@ def test_cuda_build_lowers_for_sm90():
 
 
 # (the last: each op with the number of blocks in flight that the other has by default)
-WG_TUNINGS = ({}, {"_WG_KSPLIT": 2}, {"_WG_TPW": 1}, {"_WG_BLK": 24, "_WG_TPW": 3},
+WG_TUNINGS = ({}, {"_WG_KSPLIT": 2}, {"_WG_TPW": 1}, {"_WG_BLK": 24, "_WG_TPW": 3}, {"_WG_L2_AHEAD": 2},
               {"_WG_AHEAD_PRE": 1, "_WG_AHEAD_POST_PRE": 2})
 
 
@@ -288,6 +288,7 @@ def test_cuda_wgmma_kernel_lowers_for_sm90(kind, tuning, monkeypatch):
     assert "tl::mma_sync<" not in src and "*(uint4*)(((uint*)X)" in src
     assert ("*(uint4*)(((uint*)HN)" in src) == (kind == "post_pre")
     assert "cvt.rn.bf16x2.f32" in src  # two values rounded into one word of the stream
+    assert ("dsv41c_prefetch_l2(" in body) == ("prefetch.global.L2" in src) == (K._WG_L2_AHEAD > 0)
     assert "__fmul_rn" in src and "__fadd_rn" in src
 
 
