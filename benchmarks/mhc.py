@@ -8,6 +8,16 @@ compose dsv41c/mhc.py), `torch.compile` of the same refs, and the memory lower b
 built (for example `--set _WG_TPW=1 --set _WG_KSPLIT=2`), so a variant sweep is a list of
 commands; the table's header repeats the overrides.
 
+--variant compares tunings side by side in one process instead (repeatable; `default` for none):
+
+    python3 benchmarks/mhc.py --ops post_pre pre --tokens 4096 65536 \
+        --variant default --variant _WG_L2_AHEAD=2 --variant _WG_L2_AHEAD=2,_WG_TPW=1
+
+Each variant's kernels are built and checked against the refs, and their calls captured in a CUDA
+graph. The graphs are then replayed in turn, `--rounds` times, so the device's drift over the run
+falls on every variant alike. The table gives each variant's median, its ratio to the first
+variant, and the spread of its rounds.
+
 Bytes that any implementation must move per call (bf16 streams of m x D, one token = one row):
   post_pre, post_collapse: read res m*D and y D, write h_new m*D and x D  -> (2m + 2) * D * 2 B
   pre:                     read h m*D, write x D                          -> (m + 1) * D * 2 B
@@ -21,6 +31,7 @@ host's dispatch of the op (which the plain timing still sees when the host is th
 """
 
 import argparse
+import contextlib
 import json
 
 import torch
@@ -28,6 +39,7 @@ from dsv41c.tilelang_kernels import mhc as K
 from quant import (  # benchmarks/ is the script's path: the codec benchmark's timing
     bench,
     bench_graph,
+    capture_graph,
     copy_bandwidth,
     tuning,
 )
@@ -106,6 +118,57 @@ def measure(op, n, m, d, compiled, copy_gbs, floor_ms):
             "launch_floor_ms": floor_ms, "streams_bit_exact": exact, "mixes_max_abs": mix_err}
 
 
+@contextlib.contextmanager
+def variant(assignments: list[str]):
+    """The kernel module's tuning constants set as `--set` sets them, for the block only; the build
+    and plan caches (keyed by op, not by tuning) cleared on the way in and out."""
+    saved = {n: getattr(K, n) for n in (a.partition("=")[0] for a in assignments) if hasattr(K, n)}
+    try:
+        K.build.cache_clear()
+        K._plan.cache_clear()
+        yield tuning(K, assignments)
+    finally:
+        for name, value in saved.items():
+            setattr(K, name, value)
+        K.build.cache_clear()
+        K._plan.cache_clear()
+
+
+def side_by_side(ops, tokens, m, d, variants, copy_gbs, rounds, inner=8):
+    """Rows of the --variant table: per op and T, each variant's graph time (median over rounds)."""
+    rows = []
+    for op in ops:
+        kern, ref, names, mixes, _ = OPS[op]
+        kw = HC if mixes else {}
+        eps = tuple(HC.values()) if mixes else (0.0, 0.0, 0)
+        cases = {}
+        for n in tokens:
+            x = inputs(n, m, d)
+            args = tuple(x[k] for k in names)
+            cases[n] = args, ref(*args, **kw)
+        runs, held = {n: [] for n in tokens}, []
+        for v in variants:  # one build per variant and op (T is dynamic), every T captured with it
+            with variant(v):
+                for n, (args, want) in cases.items():
+                    exact, mix_err = agree(op, kern(*args, **kw), want)
+                    held.append(K._plan(op, K._signature(args), eps))  # its kernels outlive the caches
+                    runs[n].append((v, exact, mix_err, capture_graph(lambda: kern(*args, **kw), inner)))  # noqa: B023
+        for n in tokens:
+            times = [[] for _ in runs[n]]
+            for _ in range(rounds):
+                for t, (_, _, _, graph) in zip(times, runs[n], strict=True):
+                    t.append(float("nan") if graph is None else bench(graph.replay, warmup=1, reps=5, inner=1) / inner)
+            bound_ms = min_bytes(op, n, m, d) / (copy_gbs * 1e9) * 1e3
+            first = None
+            for t, (v, exact, mix_err, _) in zip(times, runs[n], strict=True):
+                med = sorted(t)[len(t) // 2]
+                first = med if first is None else first
+                rows.append({"op": op, "tokens": n, "variant": ",".join(v) or "default", "graph_ms": med,
+                             "graph_pct_bound": 100 * bound_ms / med, "vs_first": first / med,
+                             "spread": (max(t) - min(t)) / med, "streams_bit_exact": exact, "mixes_max_abs": mix_err})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dim", type=int, default=5120)
@@ -115,12 +178,37 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile of the refs")
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                     help="override an integer tuning constant of tilelang_kernels/mhc.py")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=VALUE[,NAME=VALUE...]",
+                    help="a tuning to time side by side with the others (`default`: none); see the docstring")
+    ap.add_argument("--rounds", type=int, default=5, help="with --variant: replays of every variant in turn")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
+    if a.variant and a.set:
+        ap.error("--set and --variant: give the constants in each --variant instead")
+    variants = [[] if v == "default" else v.split(",") for v in a.variant]
+    for v in variants:  # refused before any timing: a misspelt constant names itself here
+        with variant(v):
+            pass
     overrides = tuning(K, a.set)
     torch.manual_seed(0)
     m, d = a.hc, a.dim
     copy_gbs = copy_bandwidth()
+    if variants:
+        rows = side_by_side(a.ops, a.tokens, m, d, variants, copy_gbs, a.rounds)
+        print(f"\ndevice: {torch.cuda.get_device_name()}, copy bandwidth {copy_gbs:.0f} GB/s; in a CUDA graph, "
+              f"median of {a.rounds} rounds of every variant in turn\n")
+        print("| op | T | variant | in a CUDA graph us | % bound | x first variant | spread | streams exact "
+              "| mixes max abs |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['op']} | {r['tokens']} | {r['variant']} | {r['graph_ms'] * 1e3:.1f} | "
+                  f"{r['graph_pct_bound']:.0f}% | {r['vs_first']:.3f} | {100 * r['spread']:.1f}% | "
+                  f"{r['streams_bit_exact']} | {r['mixes_max_abs']:.1e} |")
+        if a.json:
+            with open(a.json, "w") as fh:
+                json.dump({"copy_gb_s": copy_gbs, "device": torch.cuda.get_device_name(), "rounds": a.rounds,
+                           "rows": rows}, fh, indent=2)
+        return
     floors = {k: launch_floor(k) for k in (1, 2)}
     rows = []
     for op in a.ops:

@@ -48,10 +48,9 @@ def bench(fn, warmup: int = 5, reps: int = 30, inner: int = 8) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def bench_graph(fn, inner: int = 8, reps: int = 20) -> float:
-    """Median milliseconds per call of `inner` calls captured in one CUDA graph and replayed: the
-    device time alone, with no host dispatch (which `bench` still sees once a call's host side is
-    slower than its kernel). NaN when the calls cannot be captured."""
+def capture_graph(fn, inner: int = 8):
+    """`inner` calls of fn captured in one CUDA graph (after two warm-up calls off the default
+    stream), or None, with a message, when they cannot be captured."""
     try:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -65,8 +64,16 @@ def bench_graph(fn, inner: int = 8, reps: int = 20) -> float:
                 fn()
     except RuntimeError as e:
         print(f"CUDA graph capture failed: {str(e)[:200]}")
-        return float("nan")
-    return bench(graph.replay, warmup=2, reps=reps, inner=1) / inner
+        return None
+    return graph
+
+
+def bench_graph(fn, inner: int = 8, reps: int = 20) -> float:
+    """Median milliseconds per call of `inner` calls captured in one CUDA graph and replayed: the
+    device time alone, with no host dispatch (which `bench` still sees once a call's host side is
+    slower than its kernel). NaN when the calls cannot be captured."""
+    graph = capture_graph(fn, inner)
+    return float("nan") if graph is None else bench(graph.replay, warmup=2, reps=reps, inner=1) / inner
 
 
 def copy_bandwidth(nbytes: int = 4 << 30) -> float:

@@ -460,3 +460,23 @@ def test_benchmark_tuning_overrides(monkeypatch):
     for bad in ("_WG_BLK", "nope=1", "_WG_BLK=x", "column_resident=1"):
         with pytest.raises(SystemExit, match="--set"):
             bench.tuning(K, [bad])
+
+
+def test_benchmark_variants_set_and_restore_the_tuning(monkeypatch):
+    """benchmarks/mhc.py --variant: a variant's constants hold inside its block only, the build caches
+    are cleared around it (they are keyed by op, not by tuning), and a bad constant is refused with
+    the others restored."""
+    import sys
+    from pathlib import Path
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    monkeypatch.delitem(sys.modules, "mhc", raising=False)
+    import mhc as bench
+    before = (K._WG_BLK, K._WG_L2_AHEAD)
+    K.build("pre", "bfloat16", 4, D_CPU, *HC.values(), "c")       # a cached build (the module's fixture's)
+    with bench.variant(["_WG_BLK=24", "_WG_L2_AHEAD=2"]) as applied:
+        assert applied == {"_WG_BLK": 24, "_WG_L2_AHEAD": 2} and (K._WG_BLK, K._WG_L2_AHEAD) == (24, 2)
+        assert K.build.cache_info().currsize == 0 and K._plan.cache_info().currsize == 0
+    assert (K._WG_BLK, K._WG_L2_AHEAD) == before and K.build.cache_info().currsize == 0
+    with pytest.raises(SystemExit, match="--set"), bench.variant(["_WG_BLK=24", "_WG_NOPE=1"]):
+        pass
+    assert (K._WG_BLK, K._WG_L2_AHEAD) == before
