@@ -292,14 +292,15 @@ def test_cuda_wgmma_kernel_lowers_for_sm90(kind, tuning, monkeypatch):
     assert "__fmul_rn" in src and "__fadd_rn" in src
 
 
-@pytest.mark.parametrize("tuning", ({"_WG_BLK": 20}, {"_WG_TPW": 8}, {"_WG_KSPLIT": 3}, {"_WG_AHEAD_PRE": 0}),
+@pytest.mark.parametrize("tuning", ({"_WG_BLK": 20}, {"_WG_TPW": 8}, {"_WG_KSPLIT": 3}, {"_WG_AHEAD_PRE": 0},
+                                    {"_WG_L2_AHEAD": -1}),
                          ids=lambda t: ",".join(f"{k}={v}" for k, v in t.items()))
 def test_wgmma_kernel_refuses_an_invalid_tuning(tuning, monkeypatch):
     """A tuning the kernel cannot be built with (`benchmarks/mhc.py --set`) is a ValueError naming it."""
     _wg_tuning(monkeypatch, **tuning)
     name, value = next(iter(tuning.items()))
-    with pytest.raises(ValueError, match="mHC wgmma kernel tuning: .*" + (f"{name}={value}" if "AHEAD" not in name
-                                                                           else f"blocks in flight {value}")):
+    shown = f"blocks in flight {value}" if name.startswith("_WG_AHEAD") else f"{name}={value}"
+    with pytest.raises(ValueError, match=f"mHC wgmma kernel tuning: .*{shown}"):
         K.mhc_prim_funcs("pre", "bfloat16", 4, 5120, *HC.values(), "cuda")
 
 

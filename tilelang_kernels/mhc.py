@@ -981,11 +981,12 @@ def _cuda_wg_prim_func(kind, m, D):
     mix = 2 * m + m * m
     L = _WgLayout(m, W, BLK)
     assert W == 256 and D % W == 0 and mix <= 24  # column_resident and the model's hc_mult <= 4
-    if not (BLK % 8 == 0 and BLK % TPW == 0 and NWp >= 4 and NWp % 4 == 0 and L.steps % KS == 0 and AH >= 1):
+    if not (BLK % 8 == 0 and BLK % TPW == 0 and NWp >= 4 and NWp % 4 == 0 and L.steps % KS == 0 and AH >= 1
+            and L2A >= 0):
         raise ValueError(f"mHC wgmma kernel tuning: _WG_BLK={BLK}, _WG_TPW={TPW}, _WG_KSPLIT={KS}, blocks in "
-                         f"flight {AH}: needs _WG_BLK a multiple of 8 and of _WG_TPW, _WG_BLK / _WG_TPW streaming "
-                         f"warps a multiple of 4, _WG_KSPLIT dividing the {L.steps} k steps, at least one block "
-                         f"in flight")
+                         f"flight {AH}, _WG_L2_AHEAD={L2A}: needs _WG_BLK a multiple of 8 and of _WG_TPW, "
+                         f"_WG_BLK / _WG_TPW streaming warps a multiple of 4, _WG_KSPLIT dividing the {L.steps} k "
+                         f"steps, at least one block in flight, _WG_L2_AHEAD not negative")
     # registers per thread with a GEMM warpgroup: the launch's share, then _WG_GEMM_REGS for the
     # GEMM warpgroup and the rest to the streaming warps (setmaxnreg), a multiple of 8 up to 248
     r0 = min(255, 65536 // nth) // 8 * 8
