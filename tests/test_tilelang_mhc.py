@@ -111,7 +111,7 @@ def check(kind, dtype, n, d, device, m=4):
     for i in range(n_streams):
         assert_bits(got[i], want[i], f"{what} output {i}")
     if CASES[kind][3]:
-        two = device == "cuda" and K.column_resident(kind, str(dtype).removeprefix("torch."), d)
+        two = device == "cuda" and K.column_resident(kind, K._DTYPES[dtype], d)
         assert_mixes(got[n_streams:], want[n_streams:], what, MIX_TOL_TWO_PIECES if two else MIX_TOL)
     return a, got
 
