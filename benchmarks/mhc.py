@@ -11,7 +11,7 @@ commands; the table's header repeats the overrides.
 --variant compares tunings side by side in one process instead (repeatable; `default` for none):
 
     python3 benchmarks/mhc.py --ops post_pre pre --tokens 4096 65536 \
-        --variant default --variant _WG_L2_AHEAD=2 --variant _WG_L2_AHEAD=2,_WG_TPW=1
+        --variant default --variant _WG_AHEAD_PRE=1 --variant _WG_BLK=24,_WG_TPW=3
 
 Each variant's kernels are built and checked against the refs, and their calls captured in a CUDA
 graph. The graphs are then replayed in turn, `--rounds` times, so the device's drift over the run

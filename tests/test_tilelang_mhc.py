@@ -250,7 +250,7 @@ def test_cuda_build_lowers_for_sm90():
 
 
 # (the last: each op with the number of blocks in flight that the other has by default)
-WG_TUNINGS = ({}, {"_WG_KSPLIT": 2}, {"_WG_TPW": 1}, {"_WG_BLK": 24, "_WG_TPW": 3}, {"_WG_L2_AHEAD": 2},
+WG_TUNINGS = ({}, {"_WG_KSPLIT": 2}, {"_WG_TPW": 1}, {"_WG_BLK": 24, "_WG_TPW": 3},
               {"_WG_AHEAD_PRE": 1, "_WG_AHEAD_POST_PRE": 2})
 
 
@@ -288,12 +288,11 @@ def test_cuda_wgmma_kernel_lowers_for_sm90(kind, tuning, monkeypatch):
     assert "tl::mma_sync<" not in src and "*(uint4*)(((uint*)X)" in src
     assert ("*(uint4*)(((uint*)HN)" in src) == (kind == "post_pre")
     assert "cvt.rn.bf16x2.f32" in src  # two values rounded into one word of the stream
-    assert ("dsv41c_prefetch_l2(" in body) == ("prefetch.global.L2" in src) == (K._WG_L2_AHEAD > 0)
     assert "__fmul_rn" in src and "__fadd_rn" in src
 
 
 @pytest.mark.parametrize("tuning", ({"_WG_BLK": 20}, {"_WG_TPW": 8}, {"_WG_KSPLIT": 3}, {"_WG_AHEAD_PRE": 0},
-                                    {"_WG_L2_AHEAD": -1}),
+                                    {"_WG_AHEAD_POST_PRE": -1}),
                          ids=lambda t: ",".join(f"{k}={v}" for k, v in t.items()))
 def test_wgmma_kernel_refuses_an_invalid_tuning(tuning, monkeypatch):
     """A tuning the kernel cannot be built with (`benchmarks/mhc.py --set`) is a ValueError naming it."""
@@ -301,7 +300,8 @@ def test_wgmma_kernel_refuses_an_invalid_tuning(tuning, monkeypatch):
     name, value = next(iter(tuning.items()))
     shown = f"blocks in flight {value}" if name.startswith("_WG_AHEAD") else f"{name}={value}"
     with pytest.raises(ValueError, match=f"mHC wgmma kernel tuning: .*{shown}"):
-        K.mhc_prim_funcs("pre", "bfloat16", 4, 5120, *HC.values(), "cuda")
+        K.mhc_prim_funcs("post_pre" if name == "_WG_AHEAD_POST_PRE" else "pre", "bfloat16", 4, 5120, *HC.values(),
+                         "cuda")
 
 
 # (W = 128: a narrower column group, which the kernel does not build yet: BENCHMARKS.md "mHC kernels")
@@ -472,12 +472,12 @@ def test_benchmark_variants_set_and_restore_the_tuning(monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     monkeypatch.delitem(sys.modules, "mhc", raising=False)
     import mhc as bench
-    before = (K._WG_BLK, K._WG_L2_AHEAD)
+    before = (K._WG_BLK, K._WG_TPW)
     K.build("pre", "bfloat16", 4, D_CPU, *HC.values(), "c")       # a cached build (the module's fixture's)
-    with bench.variant(["_WG_BLK=24", "_WG_L2_AHEAD=2"]) as applied:
-        assert applied == {"_WG_BLK": 24, "_WG_L2_AHEAD": 2} and (K._WG_BLK, K._WG_L2_AHEAD) == (24, 2)
+    with bench.variant(["_WG_BLK=24", "_WG_TPW=3"]) as applied:
+        assert applied == {"_WG_BLK": 24, "_WG_TPW": 3} and (K._WG_BLK, K._WG_TPW) == (24, 3)
         assert K.build.cache_info().currsize == 0 and K._plan.cache_info().currsize == 0
-    assert (K._WG_BLK, K._WG_L2_AHEAD) == before and K.build.cache_info().currsize == 0
+    assert (K._WG_BLK, K._WG_TPW) == before and K.build.cache_info().currsize == 0
     with pytest.raises(SystemExit, match="--set"), bench.variant(["_WG_BLK=24", "_WG_NOPE=1"]):
         pass
-    assert (K._WG_BLK, K._WG_L2_AHEAD) == before
+    assert (K._WG_BLK, K._WG_TPW) == before

@@ -132,10 +132,6 @@ _WG_GEMM_REGS = 88
 # post_pre from 76% to 65% (its three sets spill).
 _WG_AHEAD_PRE = 2
 _WG_AHEAD_POST_PRE = 1
-# CUDA mixing kernel for bf16 streams: how many blocks beyond those in flight in registers have their
-# streams prefetched into L2 (`prefetch.global.L2`, which holds no register), so the register loads
-# of a block find it in L2 (0: none; prepared, not yet timed on a GPU)
-_WG_L2_AHEAD = 0
 
 
 def column_resident(kind: str, dtype: str, D: int) -> bool:
@@ -944,9 +940,9 @@ def _cuda_wg_prim_func(kind, m, D):
       contiguous bytes of one row.  The streams are held as uint32 words of two bf16, h_new
       (post_pre) and x are formed in the reference's order, and the next block's streams (pre:
       the next two blocks', `_WG_AHEAD_PRE`) and coefficients are loaded while this one is
-      computed (with `_WG_L2_AHEAD` > 0, the streams of blocks further ahead are prefetched into
-      L2 as well; the coefficients reach shared memory
-      after this block's compute, so no thread waits for them before its stream loads).
+      computed (the coefficients reach shared memory after this block's compute, so no thread
+      waits for them before its stream loads).  (Removed, timed no faster: the streams of the
+      blocks 1, 2 or 4 beyond those in flight prefetched into L2, BENCHMARKS.md.)
     - The mixes GEMM, transposed so the tokens are the wgmma's N and a block can be small:
       mixes^T [rows, BLK] = fn^T [rows, k] x h^T [k, BLK], k = m * W.  fn's slice stays in shared
       memory for every token the CTA sees, as the A operand (K-major, 128-byte swizzle) in two
@@ -971,7 +967,6 @@ def _cuda_wg_prim_func(kind, m, D):
     names = _PARAMS[kind, "main"]
     W, BLK, TPW, KS = _CR_W, _WG_BLK, _WG_TPW, _WG_KSPLIT
     AH = _WG_AHEAD_POST_PRE if expand else _WG_AHEAD_PRE  # blocks in flight
-    L2A = _WG_L2_AHEAD  # blocks prefetched into L2 beyond those
     NWp = BLK // TPW  # streaming warps
     nst = 32 * NWp
     gw = NWp // 4  # the GEMM warpgroup, after the streaming warps
@@ -981,12 +976,11 @@ def _cuda_wg_prim_func(kind, m, D):
     mix = 2 * m + m * m
     L = _WgLayout(m, W, BLK)
     assert W == 256 and D % W == 0 and mix <= 24  # column_resident and the model's hc_mult <= 4
-    if not (BLK % 8 == 0 and BLK % TPW == 0 and NWp >= 4 and NWp % 4 == 0 and L.steps % KS == 0 and AH >= 1
-            and L2A >= 0):
+    if not (BLK % 8 == 0 and BLK % TPW == 0 and NWp >= 4 and NWp % 4 == 0 and L.steps % KS == 0 and AH >= 1):
         raise ValueError(f"mHC wgmma kernel tuning: _WG_BLK={BLK}, _WG_TPW={TPW}, _WG_KSPLIT={KS}, blocks in "
-                         f"flight {AH}, _WG_L2_AHEAD={L2A}: needs _WG_BLK a multiple of 8 and of _WG_TPW, "
+                         f"flight {AH}: needs _WG_BLK a multiple of 8 and of _WG_TPW, "
                          f"_WG_BLK / _WG_TPW streaming warps a multiple of 4, _WG_KSPLIT dividing the {L.steps} k "
-                         f"steps, at least one block in flight, _WG_L2_AHEAD not negative")
+                         f"steps, at least one block in flight")
     # registers per thread with a GEMM warpgroup: the launch's share, then _WG_GEMM_REGS for the
     # GEMM warpgroup and the rest to the streaming warps (setmaxnreg), a multiple of 8 up to 248
     r0 = min(255, 65536 // nth) // 8 * 8
@@ -1001,11 +995,7 @@ def _cuda_wg_prim_func(kind, m, D):
     prelude = _PACK_BF16X2 + _WGMMA_PRELUDE + _wgmma_fn(BLK) + "".join(
         f"""
 __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("setmaxnreg.{op}.sync.aligned.u32 {r};"); }}
-""" for op, r in (("dec", _WG_GEMM_REGS), ("inc", r_st))) + ("""
-__device__ __forceinline__ void dsv41c_prefetch_l2(const void* p) {
-  asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
-}
-""" if L2A else "")
+""" for op, r in (("dec", _WG_GEMM_REGS), ("inc", r_st)))
     nacc = BLK // 2  # accumulator registers of one wgmma
     sets = list(range(AH + 1))  # the register sets with AH > 1 (a list: unrolled at trace time)
 
@@ -1028,16 +1018,6 @@ __device__ __forceinline__ void dsv41c_prefetch_l2(const void* p) {
                 for j in rows:
                     for w in T.unroll(4):
                         xs[at(si, u, j, w)] = T.uint32(0)
-
-    @T.macro
-    def prefetch_streams(V, blk, q, cw):
-        """The warp's tokens of block blk (none past N), the lane's 16 bytes of each row, into L2."""
-        for u in T.unroll(TPW):
-            t = blk * BLK + q * TPW + u
-            if t < N:
-                for j in rows:
-                    T.call_extern("handle", "dsv41c_prefetch_l2",
-                                  T.address_of(V["Y"][t, cw] if j == m else V[src][t, j, cw]))
 
     @T.macro
     def fetch_coefs(B, cv, blk, tx):
@@ -1143,9 +1123,6 @@ __device__ __forceinline__ void dsv41c_prefetch_l2(const void* p) {
         if i + 1 < nb:
             load_streams(V, xn, blk + PV, q, cw)
             fetch_coefs(B, cv, blk + PV, tx)
-        if L2A > 0:
-            if i + 1 + L2A < nb:
-                prefetch_streams(V, blk + (1 + L2A) * PV, q, cw)
         compute(V, R, blk, buf, xl, q, lane, cw, sm)
         T.call_extern("handle", "dsv41c_fence_async")  # the B tile's stores, for the wgmma
         stash_coefs(R["Cos"], 1 - buf, cv, tx)
@@ -1158,9 +1135,6 @@ __device__ __forceinline__ void dsv41c_prefetch_l2(const void* p) {
         buf = i % 2
         if i + AH < nb:
             load_streams(V, X, blk + AH * PV, q, cw, (si + AH) % (AH + 1))
-        if L2A > 0:
-            if i + AH + L2A < nb:
-                prefetch_streams(V, blk + (AH + L2A) * PV, q, cw)
         if i + 1 < nb:
             fetch_coefs(B, cv, blk + PV, tx)
         compute(V, R, blk, buf, X, q, lane, cw, sm, si)
