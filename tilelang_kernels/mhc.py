@@ -132,6 +132,9 @@ _WG_GEMM_REGS = 88
 # post_pre from 76% to 65% (its three sets spill).
 _WG_AHEAD_PRE = 2
 _WG_AHEAD_POST_PRE = 1
+# CUDA mixing kernel for bf16 streams: 1 issues the streaming warps' loads of their first block(s)
+# before the CTA loads fn's slice, so the two latencies overlap (prepared, not yet timed on a GPU)
+_WG_EARLY_STREAMS = 0
 
 
 def column_resident(kind: str, dtype: str, D: int) -> bool:
@@ -1020,6 +1023,16 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
                         xs[at(si, u, j, w)] = T.uint32(0)
 
     @T.macro
+    def first_streams(V, xs, bp, PV, q, cw):
+        """The streams of the CTA's first block bp (with `AH` > 1, its first `AH` blocks) into
+        xs (xn, or the register sets the block loop reads first)."""
+        if AH == 1:
+            load_streams(V, xs, bp, q, cw)
+        else:
+            for k in sets[:-1]:
+                load_streams(V, xs, bp + k * PV, q, cw, k)
+
+    @T.macro
     def fetch_coefs(B, cv, blk, tx):
         for v in T.unroll(ncv):
             k = (v * nst + tx) % ncf
@@ -1183,6 +1196,15 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
             # waits sit in branches on it
             wg = T.call_extern("int32", "__shfl_sync", T.uint32(0xFFFFFFFF), tx // 128, 0)
             sm = T.address_of(SMB[0])
+            q = tx // 32
+            lane = tx % 32
+            NB = T.ceildiv(N, BLK)
+            PV = T.min(NB, pmax)
+            nb = T.ceildiv(NB - bp, PV)
+            cw = bg * (W // 2) + lane * 4  # the lane's first word of each row
+            if _WG_EARLY_STREAMS:  # the first blocks' streams in flight while fn's slice loads
+                if tx < nst:
+                    first_streams(V, xn if AH == 1 else X, bp, PV, q, cw)
             # fn's slice -> fn^T's two bf16 pieces, the A operand
             for it in T.unroll(-(-nfv // nth)):
                 v = it * nth + tx
@@ -1204,22 +1226,13 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
                             T.call_extern("handle", "dsv41c_sts64", sm, L.a(n, h, k),
                                           T.call_extern("uint32", "dsv41c_pack_bf16x2", fv[0] - hp[0], fv[1] - hp[1]),
                                           T.call_extern("uint32", "dsv41c_pack_bf16x2", fv[2] - hp[2], fv[3] - hp[3]))
-            q = tx // 32
-            lane = tx % 32
-            NB = T.ceildiv(N, BLK)
-            PV = T.min(NB, pmax)
-            nb = T.ceildiv(NB - bp, PV)
-            cw = bg * (W // 2) + lane * 4  # the lane's first word of each row
             R = {"Cos": Cos, "SQ": SQ, "ol": ol, "xo": xo, "hf": hf, "xf": xf, "hv": hv, "sq": sq, "acc": acc,
                  "tot": tot}
             if tx < nst:
                 fetch_coefs(B, cv, bp, tx)
                 stash_coefs(Cos, 0, cv, tx)
-                if AH == 1:
-                    load_streams(V, xn, bp, q, cw)
-                else:
-                    for k in sets[:-1]:
-                        load_streams(V, X, bp + k * PV, q, cw, k)
+                if _WG_EARLY_STREAMS == 0:
+                    first_streams(V, xn if AH == 1 else X, bp, PV, q, cw)
             T.call_extern("handle", "dsv41c_fence_async")
             T.sync_threads()  # fn^T in place; the first block's coefficients
             if wg == gw:  # the GEMM warpgroup: each block's wgmma, as soon as its B tile is written
