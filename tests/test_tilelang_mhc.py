@@ -251,7 +251,7 @@ def test_cuda_build_lowers_for_sm90():
 
 # (the last: each op with the number of blocks in flight that the other has by default)
 WG_TUNINGS = ({}, {"_WG_KSPLIT": 2}, {"_WG_TPW": 1}, {"_WG_BLK": 24, "_WG_TPW": 3},
-              {"_WG_AHEAD_PRE": 1, "_WG_AHEAD_POST_PRE": 2}, {"_WG_EARLY_STREAMS": 1})
+              {"_WG_AHEAD_PRE": 1, "_WG_AHEAD_POST_PRE": 2})
 
 
 def _wg_tuning(monkeypatch, **tuning):
@@ -289,9 +289,6 @@ def test_cuda_wgmma_kernel_lowers_for_sm90(kind, tuning, monkeypatch):
     assert ("*(uint4*)(((uint*)HN)" in src) == (kind == "post_pre")
     assert "cvt.rn.bf16x2.f32" in src  # two values rounded into one word of the stream
     assert "__fmul_rn" in src and "__fadd_rn" in src
-    # _WG_EARLY_STREAMS: the first stream loads come before fn's, in the source
-    first_stream = body.index(f"= *(uint4*)(((uint*){'RES' if kind == 'post_pre' else 'H'})")
-    assert (first_stream < body.index("*(float4*)(FN + ")) == bool(K._WG_EARLY_STREAMS)
 
 
 @pytest.mark.parametrize("tuning", ({"_WG_BLK": 20}, {"_WG_TPW": 8}, {"_WG_KSPLIT": 3}, {"_WG_AHEAD_PRE": 0},

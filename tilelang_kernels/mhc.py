@@ -132,9 +132,6 @@ _WG_GEMM_REGS = 88
 # post_pre from 76% to 65% (its three sets spill).
 _WG_AHEAD_PRE = 2
 _WG_AHEAD_POST_PRE = 1
-# CUDA mixing kernel for bf16 streams: 1 issues the streaming warps' loads of their first block(s)
-# before the CTA loads fn's slice, so the two latencies overlap (prepared, not yet timed on a GPU)
-_WG_EARLY_STREAMS = 0
 
 
 def column_resident(kind: str, dtype: str, D: int) -> bool:
@@ -945,7 +942,8 @@ def _cuda_wg_prim_func(kind, m, D):
       the next two blocks', `_WG_AHEAD_PRE`) and coefficients are loaded while this one is
       computed (the coefficients reach shared memory after this block's compute, so no thread
       waits for them before its stream loads).  (Removed, timed no faster: the streams of the
-      blocks 1, 2 or 4 beyond those in flight prefetched into L2, BENCHMARKS.md.)
+      blocks 1, 2 or 4 beyond those in flight prefetched into L2; the first block's streams
+      loaded before fn's slice, BENCHMARKS.md.)
     - The mixes GEMM, transposed so the tokens are the wgmma's N and a block can be small:
       mixes^T [rows, BLK] = fn^T [rows, k] x h^T [k, BLK], k = m * W.  fn's slice stays in shared
       memory for every token the CTA sees, as the A operand (K-major, 128-byte swizzle) in two
@@ -1021,16 +1019,6 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
                 for j in rows:
                     for w in T.unroll(4):
                         xs[at(si, u, j, w)] = T.uint32(0)
-
-    @T.macro
-    def first_streams(V, xs, bp, PV, q, cw):
-        """The streams of the CTA's first block bp (with `AH` > 1, its first `AH` blocks) into
-        xs (xn, or the register sets the block loop reads first)."""
-        if AH == 1:
-            load_streams(V, xs, bp, q, cw)
-        else:
-            for k in sets[:-1]:
-                load_streams(V, xs, bp + k * PV, q, cw, k)
 
     @T.macro
     def fetch_coefs(B, cv, blk, tx):
@@ -1196,15 +1184,6 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
             # waits sit in branches on it
             wg = T.call_extern("int32", "__shfl_sync", T.uint32(0xFFFFFFFF), tx // 128, 0)
             sm = T.address_of(SMB[0])
-            q = tx // 32
-            lane = tx % 32
-            NB = T.ceildiv(N, BLK)
-            PV = T.min(NB, pmax)
-            nb = T.ceildiv(NB - bp, PV)
-            cw = bg * (W // 2) + lane * 4  # the lane's first word of each row
-            if _WG_EARLY_STREAMS:  # the first blocks' streams in flight while fn's slice loads
-                if tx < nst:
-                    first_streams(V, xn if AH == 1 else X, bp, PV, q, cw)
             # fn's slice -> fn^T's two bf16 pieces, the A operand
             for it in T.unroll(-(-nfv // nth)):
                 v = it * nth + tx
@@ -1226,13 +1205,22 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
                             T.call_extern("handle", "dsv41c_sts64", sm, L.a(n, h, k),
                                           T.call_extern("uint32", "dsv41c_pack_bf16x2", fv[0] - hp[0], fv[1] - hp[1]),
                                           T.call_extern("uint32", "dsv41c_pack_bf16x2", fv[2] - hp[2], fv[3] - hp[3]))
+            q = tx // 32
+            lane = tx % 32
+            NB = T.ceildiv(N, BLK)
+            PV = T.min(NB, pmax)
+            nb = T.ceildiv(NB - bp, PV)
+            cw = bg * (W // 2) + lane * 4  # the lane's first word of each row
             R = {"Cos": Cos, "SQ": SQ, "ol": ol, "xo": xo, "hf": hf, "xf": xf, "hv": hv, "sq": sq, "acc": acc,
                  "tot": tot}
             if tx < nst:
                 fetch_coefs(B, cv, bp, tx)
                 stash_coefs(Cos, 0, cv, tx)
-                if _WG_EARLY_STREAMS == 0:
-                    first_streams(V, xn if AH == 1 else X, bp, PV, q, cw)
+                if AH == 1:
+                    load_streams(V, xn, bp, q, cw)
+                else:
+                    for k in sets[:-1]:
+                        load_streams(V, X, bp + k * PV, q, cw, k)
             T.call_extern("handle", "dsv41c_fence_async")
             T.sync_threads()  # fn^T in place; the first block's coefficients
             if wg == gw:  # the GEMM warpgroup: each block's wgmma, as soon as its B tile is written
