@@ -251,7 +251,8 @@ def test_cuda_build_lowers_for_sm90():
 
 # (the last: each op with the number of blocks in flight that the other has by default)
 WG_TUNINGS = ({}, {"_WG_KSPLIT": 2}, {"_WG_TPW": 1}, {"_WG_BLK": 24, "_WG_TPW": 3},
-              {"_WG_AHEAD_PRE": 1, "_WG_AHEAD_POST_PRE": 2})
+              {"_WG_AHEAD_PRE": 1, "_WG_AHEAD_POST_PRE": 2}, {"_WG_TWO_SETS": 1}, {"_WG_RUNNING": 1},
+              {"_WG_RUNNING": 1, "_WG_TWO_SETS": 1})
 
 
 def _wg_tuning(monkeypatch, **tuning):
@@ -281,12 +282,18 @@ def test_cuda_wgmma_kernel_lowers_for_sm90(kind, tuning, monkeypatch):
     assert f"__launch_bounds__({threads}, 1)" in body
     # (with more blocks in flight, the streaming warps' loop is unrolled by the number of register sets)
     ahead = K._WG_AHEAD_PRE if kind == "pre" else K._WG_AHEAD_POST_PRE
-    barriers = 2 if ahead == 1 else ahead + 2
+    barriers = 2 if ahead == 1 and not K._WG_TWO_SETS else ahead + 2
     assert body.count("__syncthreads()") == 1 and body.count(f"__sync_thread_partial(1, {threads})") == barriers
     # with 8 streaming warps, registers move from the GEMM warpgroup to them
     assert ("dsv41c_setmaxnreg_dec" in body) == ("dsv41c_setmaxnreg_inc" in body) == (threads == 384)
-    assert "tl::mma_sync<" not in src and "*(uint4*)(((uint*)X)" in src
-    assert ("*(uint4*)(((uint*)HN)" in src) == (kind == "post_pre")
+    assert "tl::mma_sync<" not in src
+    if K._WG_RUNNING:  # every stream access at a running address and an immediate offset
+        assert "*(uint4*)(((uint*)" not in body and "dsv41c_stg128(ra[2], " in body  # x
+        assert ("dsv41c_stg128(ra[3], " in body) == ("dsv41c_ldg128(ra[1], " in body) == (kind == "post_pre")  # h_new, y
+        assert "dsv41c_ldg128(ra[0], ((u * 40960) + 30720)" in body  # the 4th row of token u: m * D * 2 B apart
+    else:
+        assert "*(uint4*)(((uint*)X)" in src and ("*(uint4*)(((uint*)HN)" in src) == (kind == "post_pre")
+        assert "dsv41c_ldg128(" not in src
     assert "cvt.rn.bf16x2.f32" in src  # two values rounded into one word of the stream
     assert "__fmul_rn" in src and "__fadd_rn" in src
 

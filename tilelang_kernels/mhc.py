@@ -132,6 +132,20 @@ _WG_GEMM_REGS = 88
 # post_pre from 76% to 65% (its three sets spill).
 _WG_AHEAD_PRE = 2
 _WG_AHEAD_POST_PRE = 1
+# CUDA mixing kernel for bf16 streams, two ways to fewer instructions a block (the streaming warps
+# issue about 1,300 a block of post_pre, about 2.0 a cycle per SM at 76% of the bound; 85% needs
+# about 2.2; prepared, not yet timed on a GPU):
+# - `_WG_TWO_SETS` = 1: with one block in flight, two register sets and the block loop unrolled by
+#   two, instead of copying the next block's streams into the current block's registers (post_pre:
+#   the 40 MOV a block go);
+# - `_WG_RUNNING` = 1: the streams' global loads and stores through running 64-bit addresses a
+#   thread, set once and stepped a block at a time, with each row at an immediate offset, instead
+#   of TileLang's 64-bit index arithmetic, which ptxas recomputes every block.
+# In the sm_90a SASS (`benchmarks/sass.py --family mhc`, 168 registers and no spills in each),
+# instructions a block of the streaming loop: post_pre 1,304, 1,242 with two sets, 1,230 with
+# running addresses, 1,162 with both; pre 446, 420 with running addresses.
+_WG_TWO_SETS = 0
+_WG_RUNNING = 0
 
 
 def column_resident(kind: str, dtype: str, D: int) -> bool:
@@ -838,6 +852,22 @@ __device__ __forceinline__ unsigned dsv41c_pack_bf16x2(float lo, float hi) {
 }
 """
 
+# CUDA: 16-byte global accesses at a running address p (an integer, `_WG_RUNNING`) plus a constant
+# byte offset, which ptxas folds into the instruction's immediate
+_RUNNING_ADDRS = """
+__device__ __forceinline__ unsigned long long dsv41c_addr(const void* p) {
+  return reinterpret_cast<unsigned long long>(p);
+}
+__device__ __forceinline__ void dsv41c_ldg128(unsigned long long p, long long off, void* d) {
+  *reinterpret_cast<uint4*>(d) = __ldg(reinterpret_cast<const uint4*>(p + off));
+}
+__device__ __forceinline__ void dsv41c_stg128(unsigned long long p, long long off, const void* v) {
+  const uint4 w = *reinterpret_cast<const uint4*>(v);  // (st.global: a plain store through an integer is generic)
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" :: "l"(p + off), "r"(w.x), "r"(w.y), "r"(w.z), "r"(w.w)
+               : "memory");
+}
+"""
+
 
 def _bf16_half(word, u):
     """fp32 value of the bf16 in half u (0: low) of a uint32 word."""
@@ -993,11 +1023,12 @@ def _cuda_wg_prim_func(kind, m, D):
     nfv = mix * m * W // 4  # float4 vectors of fn's slice
     ncv = -(-BLK * ncf // nst)
     mul, add = _arith(True)
-    prelude = _PACK_BF16X2 + _WGMMA_PRELUDE + _wgmma_fn(BLK) + "".join(
+    prelude = _PACK_BF16X2 + (_RUNNING_ADDRS if _WG_RUNNING else "") + _WGMMA_PRELUDE + _wgmma_fn(BLK) + "".join(
         f"""
 __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("setmaxnreg.{op}.sync.aligned.u32 {r};"); }}
 """ for op, r in (("dec", _WG_GEMM_REGS), ("inc", r_st)))
     nacc = BLK // 2  # accumulator registers of one wgmma
+    row_bytes = D * 2  # one token's row of one bf16 stream
     sets = list(range(AH + 1))  # the register sets with AH > 1 (a list: unrolled at trace time)
 
     def at(si, u, j, w):
@@ -1006,19 +1037,29 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
         return (u, j, w) if si is None else (si, u, j, w)
 
     @T.macro
-    def load_streams(V, xs, blk, q, cw, si=None):
+    def load_streams(V, xs, blk, q, cw, si=None, ra=None):
         """The warp's tokens of block blk (zeros past N), words cw .. cw + 3 of each row, into xs
-        (into its register set si, with `AH` > 1)."""
+        (into its register set si, with `AH` > 1).  With `_WG_RUNNING`, from the running load
+        addresses ra[0] (the streams) and ra[1] (y) at block blk, which then step to the next."""
         for u in T.unroll(TPW):
             t = blk * BLK + q * TPW + u
             if t < N:
                 for j in rows:
-                    for w in T.vectorized(4):
-                        xs[at(si, u, j, w)] = V["Y"][t, cw + w] if j == m else V[src][t, j, cw + w]
+                    if _WG_RUNNING:
+                        T.call_extern("handle", "dsv41c_ldg128", ra[1] if j == m else ra[0],
+                                      u * row_bytes if j == m else u * m * row_bytes + j * row_bytes,
+                                      T.address_of(xs[at(si, u, j, 0)]))
+                    else:
+                        for w in T.vectorized(4):
+                            xs[at(si, u, j, w)] = V["Y"][t, cw + w] if j == m else V[src][t, j, cw + w]
             else:
                 for j in rows:
                     for w in T.unroll(4):
                         xs[at(si, u, j, w)] = T.uint32(0)
+        if _WG_RUNNING:
+            ra[0] = ra[0] + ra[5]
+            if expand:
+                ra[1] = ra[1] + ra[4]
 
     @T.macro
     def fetch_coefs(B, cv, blk, tx):
@@ -1071,12 +1112,19 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
                         sq[0] = sq[0] + hv[j] * hv[j]
                 xo[w] = T.call_extern("uint32", "dsv41c_pack_bf16x2", xf[0], xf[1])
             if t < N:
-                for w in T.vectorized(4):
-                    V["X"][t, cw + w] = xo[w]
-                if expand:
-                    for j in T.unroll(m):
-                        for w in T.vectorized(4):
-                            V["HN"][t, j, cw + w] = ol[j, w]
+                if _WG_RUNNING:  # from the running store addresses ra[2] (x) and ra[3] (h_new)
+                    T.call_extern("handle", "dsv41c_stg128", R["ra"][2], u * row_bytes, T.address_of(xo[0]))
+                    if expand:
+                        for j in T.unroll(m):
+                            T.call_extern("handle", "dsv41c_stg128", R["ra"][3], u * m * row_bytes + j * row_bytes,
+                                          T.address_of(ol[j, 0]))
+                else:
+                    for w in T.vectorized(4):
+                        V["X"][t, cw + w] = xo[w]
+                    if expand:
+                        for j in T.unroll(m):
+                            for w in T.vectorized(4):
+                                V["HN"][t, j, cw + w] = ol[j, w]
             for j in T.unroll(m):
                 T.call_extern("handle", "dsv41c_sts128", sm, L.b(buf, r, j, lane),
                               ol[j, 0], ol[j, 1], ol[j, 2], ol[j, 3])
@@ -1084,6 +1132,10 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
                 sq[0] = sq[0] + T.shfl_xor(sq[0], o)
             if lane == 0:
                 SQ[buf, r] = sq[0]
+        if _WG_RUNNING:
+            R["ra"][2] = R["ra"][2] + R["ra"][4]
+            if expand:
+                R["ra"][3] = R["ra"][3] + R["ra"][5]
 
     @T.macro
     def epilogue(B, R, blk, buf, tx, bg):
@@ -1122,7 +1174,7 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
                 for w in T.unroll(4):
                     xl[u, j, w] = xn[u, j, w]
         if i + 1 < nb:
-            load_streams(V, xn, blk + PV, q, cw)
+            load_streams(V, xn, blk + PV, q, cw, None, R["ra"])
             fetch_coefs(B, cv, blk + PV, tx)
         compute(V, R, blk, buf, xl, q, lane, cw, sm)
         T.call_extern("handle", "dsv41c_fence_async")  # the B tile's stores, for the wgmma
@@ -1135,7 +1187,7 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
         block i - 1 was computed from."""
         buf = i % 2
         if i + AH < nb:
-            load_streams(V, X, blk + AH * PV, q, cw, (si + AH) % (AH + 1))
+            load_streams(V, X, blk + AH * PV, q, cw, (si + AH) % (AH + 1), R["ra"])
         if i + 1 < nb:
             fetch_coefs(B, cv, blk + PV, tx)
         compute(V, R, blk, buf, X, q, lane, cw, sm, si)
@@ -1164,7 +1216,7 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
             SQ = T.alloc_shared((2, BLK), "float32")
             fv = T.alloc_local((4,), "float32")
             hp = T.alloc_local((4,), "float32")
-            if AH == 1:
+            if AH == 1 and not _WG_TWO_SETS:
                 xl = T.alloc_local((TPW, len(rows), 4), "uint32")
                 xn = T.alloc_local((TPW, len(rows), 4), "uint32")
             else:  # register sets, one per block in flight and one computed
@@ -1178,6 +1230,10 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
             cv = T.alloc_local((ncv,), "float32")
             acc = T.alloc_local((KS * nacc,), "float32")
             tot = T.alloc_local((BLK // 4,), "float32")
+            # `_WG_RUNNING`: the next block's load addresses (streams, y), this block's store addresses
+            # (x, h_new), at the warp's first token and the lane's first word; the bytes one token row
+            # of x (and m rows) moves over a step of the CTA's blocks
+            ra = T.alloc_local((6,), "uint64") if _WG_RUNNING else None
             for k in T.unroll(KS * nacc):
                 acc[k] = T.float32(0)
             # the thread's warpgroup, as a value ptxas knows is warp-uniform: the wgmma and their
@@ -1212,15 +1268,27 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
             nb = T.ceildiv(NB - bp, PV)
             cw = bg * (W // 2) + lane * 4  # the lane's first word of each row
             R = {"Cos": Cos, "SQ": SQ, "ol": ol, "xo": xo, "hf": hf, "xf": xf, "hv": hv, "sq": sq, "acc": acc,
-                 "tot": tot}
+                 "tot": tot, "ra": ra}
+            if _WG_RUNNING:
+                t0 = bp * BLK + q * TPW
+                # (byte offsets from each buffer's base: token t0, the lane's first word cw of 4 bytes)
+                tb = T.Cast("uint64", t0) * T.uint64(row_bytes)
+                cb = T.Cast("uint64", cw * 4)
+                ra[0] = T.call_extern("uint64", "dsv41c_addr", B[src].data) + tb * T.uint64(m) + cb
+                ra[2] = T.call_extern("uint64", "dsv41c_addr", B["X"].data) + tb + cb
+                if expand:
+                    ra[1] = T.call_extern("uint64", "dsv41c_addr", B["Y"].data) + tb + cb
+                    ra[3] = T.call_extern("uint64", "dsv41c_addr", B["HN"].data) + tb * T.uint64(m) + cb
+                ra[4] = T.Cast("uint64", PV) * T.uint64(BLK * row_bytes)
+                ra[5] = ra[4] * T.uint64(m)
             if tx < nst:
                 fetch_coefs(B, cv, bp, tx)
                 stash_coefs(Cos, 0, cv, tx)
-                if AH == 1:
-                    load_streams(V, xn, bp, q, cw)
+                if AH == 1 and not _WG_TWO_SETS:
+                    load_streams(V, xn, bp, q, cw, None, ra)
                 else:
                     for k in sets[:-1]:
-                        load_streams(V, X, bp + k * PV, q, cw, k)
+                        load_streams(V, X, bp + k * PV, q, cw, k, ra)
             T.call_extern("handle", "dsv41c_fence_async")
             T.sync_threads()  # fn^T in place; the first block's coefficients
             if wg == gw:  # the GEMM warpgroup: each block's wgmma, as soon as its B tile is written
@@ -1234,7 +1302,7 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
             else:
                 if r_st > r0:
                     T.call_extern("handle", f"dsv41c_setmaxnreg_inc{r_st}")
-                if AH == 1:
+                if AH == 1 and not _WG_TWO_SETS:
                     for i in T.serial(nb):
                         stream_block(B, V, R, i, bp + i * PV, nb, PV, xl, xn, cv, q, lane, cw, tx, sm)
                         T.sync_threads(1, nth)  # B tile i written; the wgmma of block i - 1 done
