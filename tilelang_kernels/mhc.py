@@ -140,10 +140,12 @@ _WG_AHEAD_POST_PRE = 1
 #   the 40 MOV a block go);
 # - `_WG_RUNNING` = 1: the streams' global loads and stores through running 64-bit addresses a
 #   thread, set once and stepped a block at a time, with each row at an immediate offset, instead
-#   of TileLang's 64-bit index arithmetic, which ptxas recomputes every block.
+#   of TileLang's 64-bit index arithmetic, which ptxas recomputes every block; and a token past N
+#   is not loaded, where the default zeroes its registers (ptxas zeroes every block's, before the
+#   predicated loads).
 # In the sm_90a SASS (`benchmarks/sass.py --family mhc`, 168 registers and no spills in each),
-# instructions a block of the streaming loop: post_pre 1,304, 1,242 with two sets, 1,230 with
-# running addresses, 1,162 with both; pre 446, 420 with running addresses.
+# instructions a block of the streaming loop: post_pre 1,304, 1,242 with two sets, 1,250 with
+# running addresses (the copy takes 94 MOV), 1,142 with both; pre 446, 391 with running addresses.
 _WG_TWO_SETS = 0
 _WG_RUNNING = 0
 
@@ -1052,7 +1054,8 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
                     else:
                         for w in T.vectorized(4):
                             xs[at(si, u, j, w)] = V["Y"][t, cw + w] if j == m else V[src][t, j, cw + w]
-            else:
+            elif not _WG_RUNNING:  # (with it, a token past N keeps stale words: its h_new, x, column of
+                # the B tile and mixes are never stored, and a GEMM column depends on its own token alone)
                 for j in rows:
                     for w in T.unroll(4):
                         xs[at(si, u, j, w)] = T.uint32(0)
@@ -1271,7 +1274,8 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
                  "tot": tot, "ra": ra}
             if _WG_RUNNING:
                 t0 = bp * BLK + q * TPW
-                # (byte offsets from each buffer's base: token t0, the lane's first word cw of 4 bytes)
+                # (byte offsets from each buffer's base: token t0, the lane's first word cw of 4 bytes;
+                # seeing no store to x or h_new, TileLang declares them const: they are stored by PTX)
                 tb = T.Cast("uint64", t0) * T.uint64(row_bytes)
                 cb = T.Cast("uint64", cw * 4)
                 ra[0] = T.call_extern("uint64", "dsv41c_addr", B[src].data) + tb * T.uint64(m) + cb
