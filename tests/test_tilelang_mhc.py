@@ -252,7 +252,8 @@ def test_cuda_build_lowers_for_sm90():
 # (the last: each op with the number of blocks in flight that the other has by default)
 WG_TUNINGS = ({}, {"_WG_KSPLIT": 2}, {"_WG_TPW": 1}, {"_WG_BLK": 24, "_WG_TPW": 3},
               {"_WG_AHEAD_PRE": 1, "_WG_AHEAD_POST_PRE": 2}, {"_WG_TWO_SETS": 1}, {"_WG_RUNNING": 1},
-              {"_WG_RUNNING": 1, "_WG_TWO_SETS": 1})
+              {"_WG_RUNNING": 1, "_WG_TWO_SETS": 1}, {"_WG_MBAR": 1},
+              {"_WG_MBAR": 1, "_WG_RUNNING": 1, "_WG_TWO_SETS": 1})
 
 
 def _wg_tuning(monkeypatch, **tuning):
@@ -282,8 +283,11 @@ def test_cuda_wgmma_kernel_lowers_for_sm90(kind, tuning, monkeypatch):
     assert f"__launch_bounds__({threads}, 1)" in body
     # (with more blocks in flight, the streaming warps' loop is unrolled by the number of register sets)
     ahead = K._WG_AHEAD_PRE if kind == "pre" else K._WG_AHEAD_POST_PRE
-    barriers = 2 if ahead == 1 and not K._WG_TWO_SETS else ahead + 2
+    barriers = 0 if K._WG_MBAR else 2 if ahead == 1 and not K._WG_TWO_SETS else ahead + 2
     assert body.count("__syncthreads()") == 1 and body.count(f"__sync_thread_partial(1, {threads})") == barriers
+    # _WG_MBAR: the B tiles handed over through full and empty mbarriers, each initialised once
+    assert body.count("dsv41c_mbar_init(") == (2 if K._WG_MBAR else 0)
+    assert ("dsv41c_mbar_wait(" in body) == ("dsv41c_mbar_arrive(" in body) == bool(K._WG_MBAR)
     # with 8 streaming warps, registers move from the GEMM warpgroup to them
     assert ("dsv41c_setmaxnreg_dec" in body) == ("dsv41c_setmaxnreg_inc" in body) == (threads == 384)
     assert "tl::mma_sync<" not in src

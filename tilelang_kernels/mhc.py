@@ -148,6 +148,13 @@ _WG_AHEAD_POST_PRE = 1
 # running addresses (the copy takes 94 MOV), 1,142 with both; pre 446, 391 with running addresses.
 _WG_TWO_SETS = 0
 _WG_RUNNING = 0
+# CUDA mixing kernel for bf16 streams: 1 hands each B tile between the streaming warps and the GEMM
+# warpgroup through mbarriers (full: the streaming threads arrive after their stores; empty: the
+# GEMM warpgroup arrives after the block's epilogue), with each streaming warp fetching its own
+# tokens' coefficients, so no streaming warp waits for another (the default meets at one named
+# barrier of the whole CTA a block; without it and the GEMM, pre's stream path measured 72% -> 79%
+# of the bound at T = 65536, BENCHMARKS.md).  Prepared, not yet run on a GPU.
+_WG_MBAR = 0
 
 
 def column_resident(kind: str, dtype: str, D: int) -> bool:
@@ -908,6 +915,22 @@ __device__ __forceinline__ void dsv41c_wgmma_commit() {
 __device__ __forceinline__ void dsv41c_wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
 """
 
+# CUDA, sm_90: mbarriers at byte offset off of the wgmma kernel's shared memory (`_WG_MBAR`);
+# arrive releases and the wait acquires at CTA scope (the PTX defaults)
+_MBAR_PRELUDE = """
+__device__ __forceinline__ void dsv41c_mbar_init(const void* p, unsigned off, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(dsv41c_sbase(p) + off), "r"(count) : "memory");
+}
+__device__ __forceinline__ void dsv41c_mbar_arrive(const void* p, unsigned off) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(dsv41c_sbase(p) + off) : "memory");
+}
+__device__ __forceinline__ void dsv41c_mbar_wait(const void* p, unsigned off, unsigned parity) {
+  asm volatile("{\\n.reg .pred done;\\nDSV41C_WAIT_%=:\\n"
+               "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\\n"
+               "@!done bra DSV41C_WAIT_%=;\\n}" :: "r"(dsv41c_sbase(p) + off), "r"(parity) : "memory");
+}
+"""
+
 
 class _WgLayout:
     """Byte offsets in the wgmma mixing kernel's shared memory (from the 1024-aligned base): fn^T's
@@ -1023,9 +1046,11 @@ def _cuda_wg_prim_func(kind, m, D):
     src = "RES" if expand else "H"
     pmax = max(1, _CR_WAVES * _SMS // G)
     nfv = mix * m * W // 4  # float4 vectors of fn's slice
-    ncv = -(-BLK * ncf // nst)
+    ncv = -(-BLK * ncf // nst) if not _WG_MBAR else -(-TPW * ncf // 32)  # (`_WG_MBAR`: a warp's own tokens)
+    mb = L.a_bytes + 2 * L.b_bytes  # `_WG_MBAR`: full[0], full[1], empty[0], empty[1], 8 bytes each
     mul, add = _arith(True)
-    prelude = _PACK_BF16X2 + (_RUNNING_ADDRS if _WG_RUNNING else "") + _WGMMA_PRELUDE + _wgmma_fn(BLK) + "".join(
+    prelude = _PACK_BF16X2 + (_RUNNING_ADDRS if _WG_RUNNING else "") + _WGMMA_PRELUDE + (
+        _MBAR_PRELUDE if _WG_MBAR else "") + _wgmma_fn(BLK) + "".join(
         f"""
 __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("setmaxnreg.{op}.sync.aligned.u32 {r};"); }}
 """ for op, r in (("dec", _WG_GEMM_REGS), ("inc", r_st)))
@@ -1064,12 +1089,24 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
             if expand:
                 ra[1] = ra[1] + ra[4]
 
+    def coef_index(v, tx):
+        """Element v of streaming thread tx's share of the coefficients: in the block's, or with
+        `_WG_MBAR` in its warp's tokens' (row-major, ncf a token)."""
+        return v * nst + tx if not _WG_MBAR else v * 32 + tx % 32
+
+    def coef_row(v, tx):
+        """The token row (in the block) of that element."""
+        return coef_index(v, tx) // ncf + (0 if not _WG_MBAR else tx // 32 * TPW)
+
     @T.macro
     def fetch_coefs(B, cv, blk, tx):
+        """Block blk's per-token coefficients into cv: a share of the whole block's for each
+        streaming thread (tx), or with `_WG_MBAR` a share of its own warp's tokens'."""
         for v in T.unroll(ncv):
-            k = (v * nst + tx) % ncf
-            t = blk * BLK + (v * nst + tx) // ncf
-            ok = (t < N) & (v * nst + tx < BLK * ncf)
+            e = coef_index(v, tx)
+            k = e % ncf
+            t = blk * BLK + coef_row(v, tx)
+            ok = (t < N) & (e < (BLK if not _WG_MBAR else TPW) * ncf)
             if expand:
                 cv[v] = T.if_then_else(
                     ok, T.if_then_else(
@@ -1082,8 +1119,10 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
     @T.macro
     def stash_coefs(Cos, buf, cv, tx):
         for v in T.unroll(ncv):
-            if v * nst + tx < BLK * ncf:
-                Cos[buf, (v * nst + tx) // ncf, (v * nst + tx) % ncf] = cv[v]
+            if coef_index(v, tx) < (BLK if not _WG_MBAR else TPW) * ncf:
+                Cos[buf, coef_row(v, tx), coef_index(v, tx) % ncf] = cv[v]
+        if _WG_MBAR:
+            T.call_extern("handle", "__syncwarp")  # the warp's own rows, read by its lanes alone
 
     @T.macro
     def compute(V, R, blk, buf, xs, q, lane, cw, sm, si=None):
@@ -1168,6 +1207,23 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
                 B["WS"][bg, blk * BLK + tx, mix] = SQ[buf, tx]
 
     @T.macro
+    def wait_empty(i, buf, sm):
+        """`_WG_MBAR`: before block i's stores into B tile buf and SQ, the GEMM warpgroup is done
+        with block i - 2 (empty[buf]'s completion number i // 2 - 1)."""
+        if _WG_MBAR:
+            if i >= 2:
+                T.call_extern("handle", "dsv41c_mbar_wait", sm, mb + 16 + 8 * buf, (i // 2 + 1) % 2)
+
+    @T.macro
+    def hand_over(buf, sm):
+        """`_WG_MBAR`: this thread's stores of B tile buf, its squares and its warp's next
+        coefficients are done (full[buf]); the default meets at the CTA's barrier instead."""
+        if _WG_MBAR:
+            T.call_extern("handle", "dsv41c_mbar_arrive", sm, mb + 8 * buf)
+        else:
+            T.sync_threads(1, nth)  # B tile i written; the wgmma of block i - 1 done
+
+    @T.macro
     def stream_block(B, V, R, i, blk, nb, PV, xl, xn, cv, q, lane, cw, tx, sm):
         """Block number i (blk) of the CTA's blocks, by the streaming warps: up to the B tile's
         stores and the next block's coefficients stashed."""
@@ -1179,9 +1235,11 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
         if i + 1 < nb:
             load_streams(V, xn, blk + PV, q, cw, None, R["ra"])
             fetch_coefs(B, cv, blk + PV, tx)
+        wait_empty(i, buf, sm)
         compute(V, R, blk, buf, xl, q, lane, cw, sm)
         T.call_extern("handle", "dsv41c_fence_async")  # the B tile's stores, for the wgmma
         stash_coefs(R["Cos"], 1 - buf, cv, tx)
+        hand_over(buf, sm)
 
     @T.macro
     def stream_block_ahead(B, V, R, i, blk, nb, PV, X, si, cv, q, lane, cw, tx, sm):
@@ -1193,9 +1251,11 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
             load_streams(V, X, blk + AH * PV, q, cw, (si + AH) % (AH + 1), R["ra"])
         if i + 1 < nb:
             fetch_coefs(B, cv, blk + PV, tx)
+        wait_empty(i, buf, sm)
         compute(V, R, blk, buf, X, q, lane, cw, sm, si)
         T.call_extern("handle", "dsv41c_fence_async")  # the B tile's stores, for the wgmma
         stash_coefs(R["Cos"], 1 - buf, cv, tx)
+        hand_over(buf, sm)
 
     @T.macro
     def issue(R, buf, sm):
@@ -1214,7 +1274,7 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
         with T.Kernel(G, T.min(T.ceildiv(N, BLK), pmax), threads=nth, prelude=prelude) as (bg, bp):
             tx = T.get_thread_binding()
             V = {n: T.view(B[n], (N, *B[n].shape[1:-1], D // 2), "uint32") for n in names if n in _STREAMS}
-            SMB = T.alloc_shared((L.smem // 4,), "uint32")
+            SMB = T.alloc_shared((L.smem // 4 + (8 if _WG_MBAR else 0),), "uint32")
             Cos = T.alloc_shared((2, BLK, ncf), "float32")
             SQ = T.alloc_shared((2, BLK), "float32")
             fv = T.alloc_local((4,), "float32")
@@ -1293,23 +1353,32 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
                 else:
                     for k in sets[:-1]:
                         load_streams(V, X, bp + k * PV, q, cw, k, ra)
+            if _WG_MBAR:
+                if tx == 0:
+                    for b in range(2):
+                        T.call_extern("handle", "dsv41c_mbar_init", sm, mb + 8 * b, nst)
+                        T.call_extern("handle", "dsv41c_mbar_init", sm, mb + 16 + 8 * b, 128)
             T.call_extern("handle", "dsv41c_fence_async")
             T.sync_threads()  # fn^T in place; the first block's coefficients
             if wg == gw:  # the GEMM warpgroup: each block's wgmma, as soon as its B tile is written
                 if r_st > r0:
                     T.call_extern("handle", f"dsv41c_setmaxnreg_dec{_WG_GEMM_REGS}")
                 for i in T.serial(nb):
-                    T.sync_threads(1, nth)
+                    if _WG_MBAR:  # block i's B tile, squares: full[i % 2]'s completion number i // 2
+                        T.call_extern("handle", "dsv41c_mbar_wait", sm, mb + 8 * (i % 2), i // 2 % 2)
+                    else:
+                        T.sync_threads(1, nth)
                     issue(R, i % 2, sm)
                     T.call_extern("handle", "dsv41c_wgmma_wait")
                     epilogue(B, R, bp + i * PV, i % 2, tx - 128 * gw, bg)
+                    if _WG_MBAR:
+                        T.call_extern("handle", "dsv41c_mbar_arrive", sm, mb + 16 + 8 * (i % 2))
             else:
                 if r_st > r0:
                     T.call_extern("handle", f"dsv41c_setmaxnreg_inc{r_st}")
                 if AH == 1 and not _WG_TWO_SETS:
                     for i in T.serial(nb):
                         stream_block(B, V, R, i, bp + i * PV, nb, PV, xl, xn, cv, q, lane, cw, tx, sm)
-                        T.sync_threads(1, nth)  # B tile i written; the wgmma of block i - 1 done
                 else:  # unrolled by the number of register sets, so each block's set is static
                     for i3 in T.serial(T.ceildiv(nb, AH + 1)):
                         for si in sets:
@@ -1317,7 +1386,6 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
                                 stream_block_ahead(B, V, R, i3 * (AH + 1) + si,
                                                    bp + (i3 * (AH + 1) + si) * PV, nb, PV, X, si, cv, q,
                                                    lane, cw, tx, sm)
-                                T.sync_threads(1, nth)
 
     return names, _prim_func(names, S, body).with_attr(NO_SYNC_ATTR, 1)
 
