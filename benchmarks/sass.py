@@ -10,7 +10,8 @@ the PyPI wheels `nvidia-cuda-nvdisasm` and `nvidia-cuda-cuobjdump`. No GPU is ne
 kernel's instruction mix (the indexer's scoring is bound by its instruction count on an H200,
 BENCHMARKS.md) can be seen before it is timed. The counts are static: a loop body counts once.
 "loop" is the longest loop's body (the span of the backward branch that covers the most
-instructions): a kernel's main loop, per trip; where the body branches, both sides count.
+instructions, branches after the last EXIT left out): a kernel's main loop, per trip; where the
+body branches, both sides count.
 --set overrides an integer constant of a kernel module (the first family module that has it)
 before the builds, as the GPU benchmarks' --set does: a variant is counted before it is timed.
 """
@@ -97,8 +98,10 @@ def opcode_counts(text: str) -> collections.Counter:
 
 def longest_loop(text: str) -> int:
     """Instructions from a backward branch's target to the branch, for the branch that spans the
-    most (0 if the code has no backward branch)."""
-    labels, best, address = {}, 0, None
+    most (0 if the code has no backward branch). Branches after the last EXIT are left out: ptxas
+    puts the retry paths of waits there (an mbarrier's try_wait), each jumping back into the code
+    it left, which is no loop."""
+    labels, spans, address, last_exit = {}, [], None, None
     for line in text.splitlines():
         if m := LABEL.match(line):
             labels[m.group(1)] = None  # its address: the next instruction's
@@ -108,8 +111,10 @@ def longest_loop(text: str) -> int:
                 if at is None:
                     labels[name] = address
             if (b := BRANCH.search(line)) and labels.get(b.group(1)) is not None and labels[b.group(1)] < address:
-                best = max(best, (address - labels[b.group(1)]) // 16 + 1)
-    return best
+                spans.append((address, (address - labels[b.group(1)]) // 16 + 1))
+            if OPCODE.match(line).group(1) == "EXIT":
+                last_exit = address
+    return max((n for at, n in spans if last_exit is None or at < last_exit), default=0)
 
 
 def classify(ops: collections.Counter) -> dict[str, int]:

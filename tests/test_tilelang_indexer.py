@@ -803,6 +803,13 @@ def test_sass_tool_counts_the_longest_loop(monkeypatch):
 """
     assert sass.longest_loop(text) == 4 and sass.longest_loop(text.replace("(.L_x_1)", "(.L_x_3)")) == 3
     assert sass.opcode_counts(text)["BRA"] == 3
+    # an out-of-line retry path after the last EXIT jumps back into the code it left: no loop
+    retry = text + """.L_x_4:
+        /*0080*/                   NOP ;
+        /*0090*/              @!P0 BRA `(.L_x_4) ;
+        /*00a0*/                   BRA `(.L_x_1) ;
+"""
+    assert sass.longest_loop(retry) == 4
 
 
 @pytest.mark.gpu
