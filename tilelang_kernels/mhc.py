@@ -1224,35 +1224,31 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
             T.sync_threads(1, nth)  # B tile i written; the wgmma of block i - 1 done
 
     @T.macro
-    def stream_block(B, V, R, i, blk, nb, PV, xl, xn, cv, q, lane, cw, tx, sm):
+    def stream_block(B, V, R, i, blk, nb, PV, xs, cv, q, lane, cw, tx, sm, si=None):
         """Block number i (blk) of the CTA's blocks, by the streaming warps: up to the B tile's
-        stores and the next block's coefficients stashed."""
+        stores and the next block's coefficients stashed.  With one block in flight, xs is
+        (xl, xn): the next block's streams in xn are copied to xl, and the block after loads
+        into xn.  With register sets (si not None), xs is X: block i's streams are in set si,
+        and block i + AH's go into set (si + AH) % (AH + 1), the one block i - 1 was computed
+        from."""
         buf = i % 2
-        for u in T.unroll(TPW):
-            for j in rows:
-                for w in T.unroll(4):
-                    xl[u, j, w] = xn[u, j, w]
-        if i + 1 < nb:
-            load_streams(V, xn, blk + PV, q, cw, None, R["ra"])
-            fetch_coefs(B, cv, blk + PV, tx)
+        if si is None:
+            xl, xn = xs
+            for u in T.unroll(TPW):
+                for j in rows:
+                    for w in T.unroll(4):
+                        xl[u, j, w] = xn[u, j, w]
+            if i + 1 < nb:
+                load_streams(V, xn, blk + PV, q, cw, None, R["ra"])
+                fetch_coefs(B, cv, blk + PV, tx)
+        else:
+            if i + AH < nb:
+                load_streams(V, xs, blk + AH * PV, q, cw, (si + AH) % (AH + 1), R["ra"])
+            if i + 1 < nb:
+                fetch_coefs(B, cv, blk + PV, tx)
         wait_empty(i, buf, sm)
-        compute(V, R, blk, buf, xl, q, lane, cw, sm)
-        T.call_extern("handle", "dsv41c_fence_async")  # the B tile's stores, for the wgmma
-        stash_coefs(R["Cos"], 1 - buf, cv, tx)
-        hand_over(buf, sm)
-
-    @T.macro
-    def stream_block_ahead(B, V, R, i, blk, nb, PV, X, si, cv, q, lane, cw, tx, sm):
-        """`stream_block` with `AH` blocks in flight: block i's streams are in register set
-        si of X, and block i + AH's go into set (si + AH) % (AH + 1), the one
-        block i - 1 was computed from."""
-        buf = i % 2
-        if i + AH < nb:
-            load_streams(V, X, blk + AH * PV, q, cw, (si + AH) % (AH + 1), R["ra"])
-        if i + 1 < nb:
-            fetch_coefs(B, cv, blk + PV, tx)
-        wait_empty(i, buf, sm)
-        compute(V, R, blk, buf, X, q, lane, cw, sm, si)
+        # (no name bound to the buffer: the script parser would rename it in the CUDA source)
+        compute(V, R, blk, buf, xs[0] if si is None else xs, q, lane, cw, sm, si)
         T.call_extern("handle", "dsv41c_fence_async")  # the B tile's stores, for the wgmma
         stash_coefs(R["Cos"], 1 - buf, cv, tx)
         hand_over(buf, sm)
@@ -1378,14 +1374,13 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
                     T.call_extern("handle", f"dsv41c_setmaxnreg_inc{r_st}")
                 if AH == 1 and not _WG_TWO_SETS:
                     for i in T.serial(nb):
-                        stream_block(B, V, R, i, bp + i * PV, nb, PV, xl, xn, cv, q, lane, cw, tx, sm)
+                        stream_block(B, V, R, i, bp + i * PV, nb, PV, (xl, xn), cv, q, lane, cw, tx, sm)
                 else:  # unrolled by the number of register sets, so each block's set is static
                     for i3 in T.serial(T.ceildiv(nb, AH + 1)):
                         for si in sets:
                             if i3 * (AH + 1) + si < nb:
-                                stream_block_ahead(B, V, R, i3 * (AH + 1) + si,
-                                                   bp + (i3 * (AH + 1) + si) * PV, nb, PV, X, si, cv, q,
-                                                   lane, cw, tx, sm)
+                                stream_block(B, V, R, i3 * (AH + 1) + si, bp + (i3 * (AH + 1) + si) * PV, nb,
+                                             PV, X, cv, q, lane, cw, tx, sm, si)
 
     return names, _prim_func(names, S, body).with_attr(NO_SYNC_ATTR, 1)
 
