@@ -1067,7 +1067,8 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
     def load_streams(V, xs, blk, q, cw, si=None, ra=None):
         """The warp's tokens of block blk (zeros past N), words cw .. cw + 3 of each row, into xs
         (into its register set si, with `AH` > 1).  With `_WG_RUNNING`, from the running load
-        addresses ra[0] (the streams) and ra[1] (y) at block blk, which then step to the next."""
+        addresses ra[0] (the streams) and ra[1] (y) at block blk, which then step to the next,
+        and nothing past N."""
         for u in T.unroll(TPW):
             t = blk * BLK + q * TPW + u
             if t < N:
