@@ -249,7 +249,8 @@ def test_cuda_build_lowers_for_sm90():
         assert "cp_async_gs_conditional<16>" in src and f"cp_async_wait<{K._STAGES - 1}>" in src
 
 
-# (the last: each op with the number of blocks in flight that the other has by default)
+# (the fifth: each op with the number of blocks in flight that the other has by default; then the
+# prepared variants of BENCHMARKS.md "mHC kernels", 2026-12-05)
 WG_TUNINGS = ({}, {"_WG_KSPLIT": 2}, {"_WG_TPW": 1}, {"_WG_BLK": 24, "_WG_TPW": 3},
               {"_WG_AHEAD_PRE": 1, "_WG_AHEAD_POST_PRE": 2}, {"_WG_TWO_SETS": 1}, {"_WG_RUNNING": 1},
               {"_WG_RUNNING": 1, "_WG_TWO_SETS": 1}, {"_WG_MBAR": 1},
