@@ -1046,7 +1046,10 @@ def _cuda_wg_prim_func(kind, m, D):
     src = "RES" if expand else "H"
     pmax = max(1, _CR_WAVES * _SMS // G)
     nfv = mix * m * W // 4  # float4 vectors of fn's slice
-    ncv = -(-BLK * ncf // nst) if not _WG_MBAR else -(-TPW * ncf // 32)  # (`_WG_MBAR`: a warp's own tokens)
+    # the coefficients a fetch shares out: the block's over the streaming threads, or with `_WG_MBAR`
+    # a warp's own tokens' over its lanes; ncv a thread
+    ncoef, sharers = (BLK * ncf, nst) if not _WG_MBAR else (TPW * ncf, 32)
+    ncv = -(-ncoef // sharers)
     mb = L.a_bytes + 2 * L.b_bytes  # `_WG_MBAR`: full[0], full[1], empty[0], empty[1], 8 bytes each
     mul, add = _arith(True)
     prelude = _PACK_BF16X2 + (_RUNNING_ADDRS if _WG_RUNNING else "") + _WGMMA_PRELUDE + (
@@ -1056,7 +1059,8 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
 """ for op, r in (("dec", _WG_GEMM_REGS), ("inc", r_st)))
     nacc = BLK // 2  # accumulator registers of one wgmma
     row_bytes = D * 2  # one token's row of one bf16 stream
-    sets = list(range(AH + 1))  # the register sets with AH > 1 (a list: unrolled at trace time)
+    sets = list(range(AH + 1))  # the register sets, unless one_set (a list: unrolled at trace time)
+    one_set = AH == 1 and not _WG_TWO_SETS  # xl and xn: the next block's streams copied into xl
 
     def at(si, u, j, w):
         """The index in xs of word w of stream row j of the warp's token u (in its register set si,
@@ -1107,7 +1111,7 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
             e = coef_index(v, tx)
             k = e % ncf
             t = blk * BLK + coef_row(v, tx)
-            ok = (t < N) & (e < (BLK if not _WG_MBAR else TPW) * ncf)
+            ok = (t < N) & (e < ncoef)
             if expand:
                 cv[v] = T.if_then_else(
                     ok, T.if_then_else(
@@ -1120,7 +1124,7 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
     @T.macro
     def stash_coefs(Cos, buf, cv, tx):
         for v in T.unroll(ncv):
-            if coef_index(v, tx) < (BLK if not _WG_MBAR else TPW) * ncf:
+            if coef_index(v, tx) < ncoef:
                 Cos[buf, coef_row(v, tx), coef_index(v, tx) % ncf] = cv[v]
         if _WG_MBAR:
             T.call_extern("handle", "__syncwarp")  # the warp's own rows, read by its lanes alone
@@ -1276,7 +1280,7 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
             SQ = T.alloc_shared((2, BLK), "float32")
             fv = T.alloc_local((4,), "float32")
             hp = T.alloc_local((4,), "float32")
-            if AH == 1 and not _WG_TWO_SETS:
+            if one_set:
                 xl = T.alloc_local((TPW, len(rows), 4), "uint32")
                 xn = T.alloc_local((TPW, len(rows), 4), "uint32")
             else:  # register sets, one per block in flight and one computed
@@ -1345,7 +1349,7 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
             if tx < nst:
                 fetch_coefs(B, cv, bp, tx)
                 stash_coefs(Cos, 0, cv, tx)
-                if AH == 1 and not _WG_TWO_SETS:
+                if one_set:
                     load_streams(V, xn, bp, q, cw, None, ra)
                 else:
                     for k in sets[:-1]:
@@ -1373,7 +1377,7 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
             else:
                 if r_st > r0:
                     T.call_extern("handle", f"dsv41c_setmaxnreg_inc{r_st}")
-                if AH == 1 and not _WG_TWO_SETS:
+                if one_set:
                     for i in T.serial(nb):
                         stream_block(B, V, R, i, bp + i * PV, nb, PV, (xl, xn), cv, q, lane, cw, tx, sm)
                 else:  # unrolled by the number of register sets, so each block's set is static
