@@ -34,7 +34,7 @@ def register(app: typer.Typer) -> None:
 def record_command(
     configs: Optional[List[Path]] = typer.Option(
         None, "--config", metavar="PATH", show_default="configs/tiny.json and configs/tiny2.json",
-        help="Model config JSON; repeat for several. Writes <out>/<config-stem>.safetensors."),
+        help="Model config JSON; repeat for several. Writes OUT/CONFIG-STEM.safetensors."),
     out: Path = typer.Option(DEFAULT_DIR, "--out", metavar="DIR", help="Directory of the golden files."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random weights and of the prompt ids."),
     prompt_len: Optional[int] = typer.Option(
@@ -43,7 +43,7 @@ def record_command(
     decode_steps: int = typer.Option(16, "--decode-steps", metavar="N", help="Greedy decode steps."),
     batch: int = typer.Option(2, "--batch", metavar="B", help="Batch rows."),
 ) -> None:
-    """Record golden files and update <out>/manifest.json.
+    """Record golden files and update OUT/manifest.json.
 
     The model is the eager float32 one without the KV fake quantisers (the reference a compiled
     program is held to), random weights from --seed; the file holds the prompt ids, the prefill logits, and the tokens and logits of greedy

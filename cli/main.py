@@ -53,9 +53,10 @@ class DSV41CGroup(TyperGroup):
 app = typer.Typer(
     name="dsv41c",
     cls=DSV41CGroup,
-    help="dsv41c: the DeepSeek-V4.1-Flash architecture in eager PyTorch. "
+    help="dsv41c: the DeepSeek-V4.1-Flash architecture: an eager PyTorch reference, its compiler and kernels. "
          f"Errors print one red line and exit {ERROR_EXIT_CODE}; set {DEBUG_ENV}=1 for the traceback.",
     no_args_is_help=True,
+    rich_markup_mode="markdown",
     add_completion=False,
     pretty_exceptions_show_locals=False,
 )
@@ -70,7 +71,7 @@ def _print_version(value: bool) -> None:
 @app.callback()
 def root(version: Optional[bool] = typer.Option(None, "--version", callback=_print_version, is_eager=True,
                                                 help="Print the version and exit.")) -> None:
-    """dsv41c: the DeepSeek-V4.1-Flash architecture in eager PyTorch."""
+    """dsv41c: the DeepSeek-V4.1-Flash architecture: an eager PyTorch reference, its compiler and kernels."""
 
 
 run_commands.register(app)

@@ -158,6 +158,9 @@ def test_help_and_version():
     assert result.exit_code == 0 and "run" in result.stdout
     result = runner.invoke(app, ["--version"])
     assert result.exit_code == 0 and result.stdout.strip() == f"dsv41c {dsv41c.__version__}"
+    # docstrings are wrapped at 120 in the source: the help reflows their paragraphs to the terminal
+    result = runner.invoke(app, ["compile", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0 and "then times them eager and compiled." in result.stdout, result.stdout
 
 
 def test_console_script_exit_code_and_stderr(tmp_path):
