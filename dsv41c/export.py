@@ -476,6 +476,7 @@ def export(model: Transformer, out: str | os.PathLike, passes: Sequence[str] | N
             spec.pass_matches = {s.name: s.matches for s in pipeline.stats.values()}
             spec.code_sha256 = code_digest(tmp / spec.file)
             custom_ops |= set(_custom_ops(tmp / spec.file))
+        del ep, caches  # device copies of the weights and caches, not needed by the check
         stage(f"writing {WEIGHTS_FILE}, the tokenizer and the manifest")
         safetensors.torch.save_file(weights.tensors, str(tmp / WEIGHTS_FILE))
         del weights
@@ -566,6 +567,31 @@ def check_bound(model: Transformer, passes: Sequence[str]) -> float:
     return QUANT_RUNNER_BOUND if "fp4_kv" in passes else RUNNER_BOUND
 
 
+@contextlib.contextmanager
+def off_the_device(model: nn.Module):
+    """A CUDA model's parameters and buffers moved to the host for the duration, and the device
+    memory they held returned to the driver, so that the check's fresh process can load the
+    artifact's own copy of the weights beside it: the device then holds the weights once, not
+    twice. A model on the CPU stays where it is. The model is back on its device afterwards, also
+    when the body raises."""
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        yield
+        return
+    model.to("cpu")
+    torch.cuda.empty_cache()
+    try:
+        yield
+    finally:
+        model.to(device)
+
+
+def run_check_process(root: Path, io: Path, scratch: str) -> subprocess.CompletedProcess:
+    """`_RUN_CHECK` in a fresh interpreter: the artifact at root run on the prompts in io."""
+    return subprocess.run([sys.executable, "-c", _RUN_CHECK, str(root), str(io)], capture_output=True, text=True,
+                          cwd=scratch)
+
+
 def check_artifact(root: Path, model: Transformer, bounds: dict, bound: float) -> dict[str, Any]:
     """Load the finished artifact in a fresh process, as a user does (hashes, versions, weights,
     packages), run a seeded prompt and one decode step, then a second prompt at the length the
@@ -575,7 +601,7 @@ def check_artifact(root: Path, model: Transformer, bounds: dict, bound: float) -
     right at one and wrong at the other (an H200 package of bench.json's widths was 0.011 from
     eager at its example's 4096 tokens and 0.67 at 24). Returns what was measured, for the
     manifest; raises ArtifactError past the bound, so a package that computes something else is
-    never shipped."""
+    never shipped. While the fresh process runs, a CUDA model waits on the host (`off_the_device`)."""
     lo, hi = bounds["prompt_len"]
     n = min(max(lo, CHECK_PROMPT_LEN), hi)
     n_example = min(max(lo, min(example_count(hi), CHECK_LONG_PROMPT_MAX)), hi)   # the programs have period 1
@@ -597,8 +623,8 @@ def check_artifact(root: Path, model: Transformer, bounds: dict, bound: float) -
     with tempfile.TemporaryDirectory() as scratch:
         io = Path(scratch) / "check.pt"
         torch.save(given, io)
-        proc = subprocess.run([sys.executable, "-c", _RUN_CHECK, str(root), str(io)], capture_output=True,
-                              text=True, cwd=scratch)
+        with off_the_device(model):
+            proc = run_check_process(root, io, scratch)
         if proc.returncode:
             manifest = json.loads((root / MANIFEST_FILE).read_text(encoding="utf-8"))
             # a package that crashes AOTInductor's loader is named (the check's child cannot say which)

@@ -5,6 +5,7 @@ decode package) is shared by the module: the AOTInductor compile of the two pack
 module's time. Loading runs in a fresh subprocess, as a deployment would: no model code runs there
 but the kernels' op registration.
 """
+import contextlib
 import hashlib
 import importlib
 import json
@@ -649,6 +650,53 @@ def test_a_cuda_export_with_every_pass_generates_the_eager_tokens(tmp_path):
     loaded = load_and_generate_in_a_fresh_process(artifact)
     assert loaded["compiled_graphs"] == 0
     assert loaded["new_ids"] == generate(model, loaded["ids"], NEW_TOKENS).new_ids
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_export_frees_the_models_device_memory_while_the_artifact_is_checked(tmp_path, monkeypatch):
+    """The check's fresh process loads the artifact's weights on the device: meanwhile the model's
+    own parameters and buffers wait on the host, so the device holds the weights once. Measured
+    with torch's allocator at the moment the process starts; afterwards the model is back and
+    generates as before."""
+    model = dsv41c.build_model(cut_args(), seed=0, device="cuda")
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in [*model.parameters(), *model.buffers()]}
+    held = sum(storages.values())
+    ids = torch.randint(0, model.args.vocab_size, (8,), generator=torch.Generator().manual_seed(0)).tolist()
+    before = generate(model, ids, NEW_TOKENS).new_ids
+    seen = {}
+    ex = export_module
+    run, off = ex.run_check_process, ex.off_the_device
+
+    @contextlib.contextmanager
+    def measured_off(m):
+        seen["entry"] = torch.cuda.memory_allocated()
+        with off(m):
+            yield
+
+    def measured_run(*args):
+        seen["during"] = torch.cuda.memory_allocated()
+        seen["devices"] = {t.device.type for t in [*model.parameters(), *model.buffers()]}
+        return run(*args)
+
+    monkeypatch.setattr(ex, "off_the_device", measured_off)
+    monkeypatch.setattr(ex, "run_check_process", measured_run)
+    dsv41c.export(model, tmp_path / "artifact", max_prompt_len=MAX_PROMPT)
+    print(f"model {held} B; allocated {seen['entry']} B before the check, {seen['during']} B during it")
+    assert seen["devices"] == {"cpu"}
+    assert seen["entry"] - seen["during"] >= held, (seen, held)
+    assert model.device.type == "cuda" and {t.device.type for t in model.buffers()} == {"cuda"}
+    assert generate(model, ids, NEW_TOKENS).new_ids == before
+
+
+def test_off_the_device_leaves_a_cpu_model_in_place():
+    """On the CPU there is no device memory to free: the model is not moved."""
+    model = dsv41c.build_model(cut_args(), seed=0)
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    with export_module.off_the_device(model):
+        assert [p.data_ptr() for p in model.parameters()] == ptrs
+    assert [p.data_ptr() for p in model.parameters()] == ptrs
 
 
 def check_a_bf16_engram_export(device: str, tmp_path: Path) -> None:
