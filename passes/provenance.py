@@ -99,7 +99,8 @@ def find_sites(graph: fx.Graph, key: Callable[[fx.Node], tuple | None],
                site_type: type[Site] = Site) -> list[Site]:
     """The sites of a graph (nodes grouped by `key`) with their external inputs and outputs, in
     graph order. Nodes Inductor created, whose trace does not reach the model (constants folded in,
-    pattern replacements), join the site all of whose users are in it."""
+    pattern replacements), join the site all of whose users are in it, singly or as a chain
+    (`_untraced_homes`)."""
     sites: dict[tuple, Site] = {}
     owner: dict[fx.Node, Site] = {}
     for node in graph.nodes:
@@ -107,19 +108,7 @@ def find_sites(graph: fx.Graph, key: Callable[[fx.Node], tuple | None],
             k = key(node)
             if k is not None:
                 owner[node] = sites.setdefault(k, site_type(k))
-    changed = True
-    while changed:                                # untraced nodes whose users all lie in one site
-        changed = False
-        for node in reversed(graph.nodes):
-            if node in owner or node.op != "call_function" or not node.users:
-                continue
-            homes = {owner.get(u) for u in node.users}
-            if len(homes) != 1 or None in homes or traced_in_model(node):
-                continue
-            home = homes.pop()
-            if all(owner.get(a) is home or is_constant(a) for a in node.all_input_nodes):
-                owner[node] = home
-                changed = True
+    owner.update(_untraced_homes(graph, owner))
     _reread_sym_sizes(graph, owner)
     for node, site in owner.items():
         site.nodes.add(node)
@@ -133,6 +122,34 @@ def find_sites(graph: fx.Graph, key: Callable[[fx.Node], tuple | None],
         site.inputs = sorted(ins, key=order.__getitem__)
         site.outputs = sorted(outs, key=order.__getitem__)
     return sorted(sites.values(), key=lambda s: min(order[n] for n in s.nodes))
+
+
+def _untraced_homes(graph: fx.Graph, owner: dict) -> dict:
+    """The site each untraced node joins: the one site that all its users are in, where it reads
+    only that site's nodes and constants. A chain of untraced nodes joins as a whole (each link's
+    user or input may be another untraced node of the same site), so the homes are first proposed
+    from the users, last node first, and then withdrawn wherever a user or an input disagrees,
+    until none does."""
+    home: dict = {}
+
+    def where(n):
+        return owner[n] if n in owner else home.get(n)
+
+    for node in reversed(graph.nodes):             # users first: a chain's proposals run backwards
+        if node in owner or node.op != "call_function" or not node.users or traced_in_model(node):
+            continue
+        homes = {where(u) for u in node.users}
+        if len(homes) == 1 and None not in homes:
+            home[node] = homes.pop()
+    withdrawn = True
+    while withdrawn:
+        withdrawn = False
+        for node, site in list(home.items()):
+            if any(where(u) is not site for u in node.users) or \
+                    any(where(a) is not site and not is_constant(a) for a in node.all_input_nodes):
+                del home[node]
+                withdrawn = True
+    return home
 
 
 def _sym_expr(v):

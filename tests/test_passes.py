@@ -135,6 +135,41 @@ print(before, [hasattr(torch.ops.dsv41c, op) for op in ops])
     assert proc.stdout.split("\n")[-2] == f"{[False] * 6} {[True] * 6}", proc.stdout
 
 
+def test_find_sites_absorbs_a_chain_of_untraced_nodes():
+    """Nodes Inductor creates (no trace into the model) join the site they lie inside, also as a
+    chain: here b = neg(a) and c = exp(b) sit between two nodes of one eager call, so the site reads
+    only x and is read only through its last node. A chain that also feeds another node (d) stays
+    outside, and so does its whole length."""
+    from dsv41c.passes import provenance
+
+    def graph_of(leak: bool):
+        g = torch.fx.Graph()
+        x = g.placeholder("x")
+        x.meta["val"] = torch.empty(4)
+        traced = 'File "/src/dsv41c/mhc.py", line 7, in f\n    y = x * 2\n'
+        a = g.call_function(aten.mul.Tensor, (x, 2))
+        b = g.call_function(aten.neg.default, (a,))   # untraced: no stack trace
+        c = g.call_function(aten.exp.default, (b,))
+        e = g.call_function(aten.add.Tensor, (c, a))
+        for n in (a, e):
+            n.meta["stack_trace"] = traced
+        outs = [e]
+        if leak:
+            outs.append(g.call_function(aten.abs.default, (b,)))   # d: untraced, outside the site
+        g.output(tuple(outs))
+        return g, x, (a, b, c, e)
+
+    def key(node):
+        return ("f",) if node.meta.get("stack_trace") else None
+
+    g, x, (a, b, c, e) = graph_of(leak=False)
+    (site,) = provenance.find_sites(g, key)
+    assert site.nodes == {a, b, c, e} and site.inputs == [x] and site.outputs == [e]
+    g, x, (a, b, c, e) = graph_of(leak=True)
+    (site,) = provenance.find_sites(g, key)
+    assert site.nodes == {a, e} and site.inputs == [x, c] and site.outputs == [a, e]
+
+
 def test_unknown_pass_is_an_error():
     with pytest.raises(PassError, match="unknown pass 'nope'"):
         build_pipeline(["nope"])
