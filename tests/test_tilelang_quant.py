@@ -354,14 +354,48 @@ def test_cuda_leading_dims_and_opcheck(fmt):
 
 
 def test_launcher_dispatch_cpu():
-    """A C-target build is called through TileLang's own (Cython) adapter, which checks its
-    arguments; the launcher exposes the JITKernel's attributes."""
+    """A C-target build is called through its library's entry (`CCall`), not TileLang's Cython
+    adapter: the same bytes as the adapter's call, and every argument TileLang's adapter refuses
+    is refused (ValueError, before the kernel runs), and more: a tensor on another device, and a
+    number where a buffer goes (TileLang's adapter passes that on as an address); the launcher
+    exposes the JITKernel's attributes."""
     launcher = K.build("fp8", "dequant", "float32", 512, "c")
-    assert isinstance(launcher, K.Launcher) and launcher.call is launcher.kernel
+    assert isinstance(launcher, K.Launcher) and isinstance(launcher.call, K.CCall)
     assert launcher.execution_backend == "cython"
-    with pytest.raises(ValueError):  # TileLang's check: a static dim of the wrong size
-        launcher(torch.zeros(2, 512, dtype=torch.uint8), torch.zeros(2, 8, dtype=torch.uint8),
-                 torch.empty(2, 256))
+    q, s = Q.fp8_quant_ref(torch.randn(300, 512))
+    direct, wrapped = torch.full((300, 512), float("nan")), torch.full((300, 512), float("nan"))
+    launcher(q, s, direct)
+    launcher.kernel(q, s, wrapped)
+    assert torch.equal(direct, wrapped) and torch.equal(direct, Q.fp8_dequant_ref(q, s, torch.float32))
+    out = torch.empty(2, 512)
+    good = (torch.zeros(2, 512, dtype=torch.uint8), torch.zeros(2, 16, dtype=torch.uint8), out)
+    launcher(*good)
+    bad = {"a static dim": (good[0], good[1], torch.empty(2, 256)),
+           "the rank": (good[0], good[1], torch.empty(2, 1, 512)),
+           "the dtype": (good[0], good[1], torch.empty(2, 512, dtype=torch.float64)),
+           "a strided view": (good[0], good[1], torch.empty(512, 2).t()),
+           "a missing argument": good[:2]}
+    for what, args in bad.items():
+        with pytest.raises(ValueError):
+            launcher(*args)
+            pytest.fail(f"{what} was not refused")
+        with pytest.raises(ValueError):  # TileLang's own adapter refuses the same
+            launcher.kernel(*args)
+    for args in ((good[0], good[1], torch.empty(2, 512, device="meta")), (good[0], good[1], 0)):
+        with pytest.raises(ValueError):
+            launcher(*args)
+
+
+def test_every_kernel_modules_c_builds_are_called_directly():
+    """One C build of each kernel module, with its kinds of parameters (buffers with leading
+    dynamic dims; attention's and the indexer's int32 scalars), takes the direct call, so no CPU
+    op goes through TileLang's Cython adapter (`CCall.takes`)."""
+    from dsv41c.tilelang_kernels import attention, indexer, mhc
+    builds = [mhc.build("post_pre", "bfloat16", 4, 64, 1e-20, 1e-6, 20, "c")[0][1],
+              attention.build("packed_fp8", "float32", 2, 64, 0.125, "c"),
+              indexer.build("scores", (2, 64, True, True, True), "c"),
+              indexer.build("select", ("topk", "all"), "c")]
+    assert all(isinstance(b.call, K.CCall) for b in builds)
 
 
 @pytest.mark.gpu

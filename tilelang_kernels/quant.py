@@ -39,6 +39,7 @@ count; a build is cached per (format, direction, dtype, n, target).  bf16 buffer
 zero-copy uint16 view; the CUDA build takes bfloat16 buffers.
 """
 
+import ctypes
 import functools
 
 import tilelang
@@ -584,21 +585,26 @@ class Launcher:
     """A compiled TileLang kernel, called with every argument of its prim_func in order (outputs
     included: no kernel here has TileLang allocate its outputs). Shared by every kernel module.
 
-    A CUDA build runs through TileLang's TVM-FFI executable. TileLang's own call
-    (`JITKernel.__call__`, then its adapter's Python wrapper) rebuilds the argument list and looks
-    for outputs to allocate on every call before it calls that executable with the same arguments;
-    the executable checks them itself in its compiled host code (count, dtype, rank, static
-    dims, device) and launches on torch's current stream. So a CUDA call goes to the executable
-    directly. Any other build (the CPU C target's, through TileLang's Cython adapter, which checks
-    the arguments in Python) goes through the JITKernel. Other attributes are the JITKernel's."""
+    TileLang's own call (`JITKernel.__call__`, then its adapter's wrapper) rebuilds the argument
+    list and looks for outputs to allocate on every call, so neither build goes through it:
+    - A CUDA build runs through TileLang's TVM-FFI executable directly. The executable checks the
+      arguments itself in its compiled host code (count, dtype, rank, static dims, device) and
+      launches on torch's current stream.
+    - A CPU build (the C target, whose TileLang adapter is the Cython one) is called through its
+      shared library by `CCall`, which checks the arguments as that adapter does.
+    Other attributes are the JITKernel's."""
 
     __slots__ = ("kernel", "call")
 
     def __init__(self, kernel):
         self.kernel = kernel
         adapter = kernel.adapter
-        direct = kernel.execution_backend == "tvm_ffi" and not adapter.result_idx
-        self.call = adapter._get_executable() if direct else kernel
+        if kernel.execution_backend == "tvm_ffi" and not adapter.result_idx:
+            self.call = adapter._get_executable()
+        elif kernel.execution_backend == "cython" and CCall.takes(adapter):
+            self.call = CCall(adapter)
+        else:
+            self.call = kernel
 
     def __call__(self, *args):
         return self.call(*args)
@@ -607,6 +613,72 @@ class Launcher:
         if name in Launcher.__slots__:  # not set yet
             raise AttributeError(name)
         return getattr(self.kernel, name)
+
+
+class CCall:
+    """The C build's `call` entry: the buffers' addresses and the scalars, in the prim_func's
+    order, then each dynamic size read off the buffer that carries it (in the adapter's order),
+    then a null stream. The arguments are checked as TileLang's Cython wrapper checks them (count,
+    dtype, CPU, rank, static dims, contiguity; and a number for a scalar, where that wrapper would
+    pass any number on, even for a buffer, as an address), so a wrong one is a ValueError, not a
+    wild read. That wrapper cost a compiled tiny decode step about 105 us a kernel call, 41 calls
+    a step (TileLang 0.1.15, BENCHMARKS.md: `benchmarks/c_calls.py`)."""
+
+    __slots__ = ("lib", "specs", "sizes", "names")
+    _SCALARS = {torch.int32: ctypes.c_int32, torch.int64: ctypes.c_int64, torch.float32: ctypes.c_float,
+                torch.float64: ctypes.c_double}
+
+    @staticmethod
+    def _leading_dynamic(shape) -> int:
+        """How many leading dims of a buffer's shape are dynamic, -1 if a later one is too."""
+        k = next((d for d, n in enumerate(shape) if isinstance(n, int)), len(shape))
+        return k if all(isinstance(n, int) for n in shape[k:]) else -1
+
+    @staticmethod
+    def takes(adapter) -> bool:
+        """Whether every parameter is a buffer whose dynamic dims lead, or a scalar of `_SCALARS`,
+        and every dynamic value is a size (not a stride)."""
+        fn = adapter.prim_func
+        return not adapter.result_idx and \
+            all(entry[0] == 0 for entry in adapter.dynamic_symbolic_map.values()) and \
+            all(CCall._leading_dynamic(kp.shape) >= 0 if p in fn.buffer_map else kp.torch_dtype() in CCall._SCALARS
+                for p, kp in zip(fn.params, adapter.params, strict=True))
+
+    def __init__(self, adapter):
+        fn = adapter.prim_func
+        self.lib = adapter.lib
+        self.names = [str(fn.buffer_map[p].name) if p in fn.buffer_map else str(p.name) for p in fn.params]
+        self.specs = []  # buffer: (dtype, rank, k, the static dims k.. as a tuple), dims below k dynamic;
+        for p, kp in zip(fn.params, adapter.params, strict=True):  # scalar: (ctype, None, 0, None)
+            if p in fn.buffer_map:
+                k = CCall._leading_dynamic(kp.shape)
+                self.specs.append((kp.torch_dtype(), len(kp.shape), k, tuple(kp.shape[k:])))
+            else:
+                self.specs.append((CCall._SCALARS[kp.torch_dtype()], None, 0, None))
+        self.sizes = [(b, d) for _, b, d, _ in adapter.dynamic_symbolic_map.values()]
+
+    def __call__(self, *args):
+        if len(args) != len(self.specs):
+            raise ValueError(f"TileLang C kernel: expected {len(self.specs)} arguments, got {len(args)}")
+        out = []
+        for a, (dtype, rank, k, tail), name in zip(args, self.specs, self.names, strict=True):
+            if rank is None:  # a scalar of ctype `dtype`
+                if not isinstance(a, int if dtype in (ctypes.c_int32, ctypes.c_int64) else (int, float)) or \
+                        isinstance(a, bool):
+                    raise ValueError(f"TileLang C kernel: argument {name} expects a number, got {type(a).__name__}")
+                out.append(dtype(a))
+            elif isinstance(a, torch.Tensor) and a.dtype == dtype and a.is_cpu and a.dim() == rank \
+                    and a.shape[k:] == tail and a.is_contiguous():
+                out.append(ctypes.c_void_p(a.data_ptr()))
+            else:
+                found = (f"{a.dtype} {tuple(a.shape)} on {a.device}{'' if a.is_contiguous() else ', strided'}"
+                         if isinstance(a, torch.Tensor) else type(a).__name__)
+                raise ValueError(f"TileLang C kernel: argument {name} expects a contiguous CPU {dtype} tensor "
+                                 f"of rank {rank} ending in {tail}, got {found}")
+        out += [ctypes.c_int64(args[b].shape[d]) for b, d in self.sizes]
+        out.append(ctypes.c_void_p(0))
+        if self.lib.call(*out) != 0:
+            raise RuntimeError(f"TileLang C kernel failed: {self.lib.get_last_error().decode()}")
 
 
 def cuda_pass_configs(fn) -> dict:
