@@ -4,13 +4,13 @@ ops use) and through TileLang's own Cython adapter (`JITKernel.__call__`).
 
     python3 benchmarks/c_calls.py [--config configs/tiny.json] [--rounds 6] [--steps 8]
 
-The model (random weights, bf16, kv_quant; the indexer kernels take bf16 only) is compiled with fuse_wqa_wkv, lower_mhc, fp4_kv,
-lower_sparse_attn and lower_indexer (not strict: tiny's candidate blocks of 4 stay eager, the
-indexer kernels take blocks of 8) on the passes_only backend: the rewritten aten graph runs as an
-FX module, so the kernel calls are the only thing the two ways change (Inductor's code generation
-would take many minutes on a CPU and changes nothing about them). After a 40-token prefill and four
-decode steps, the rounds alternate the two ways, `--steps` steps each; printed: kernel calls per
-step and the median step time of each way, in ms.
+The model (random weights, bf16, kv_quant; the indexer kernels take bf16 only) is compiled with
+fuse_wqa_wkv, lower_mhc, fp4_kv, lower_sparse_attn and lower_indexer (not strict: tiny's candidate
+blocks of 4 stay eager, the indexer kernels take blocks of 8) on the passes_only backend: the
+rewritten aten graph runs as an FX module, so the kernel calls are the only thing the two ways
+change (Inductor's code generation would take many minutes on a CPU and changes nothing about
+them). After a 40-token prefill and four decode steps, the rounds alternate the two ways,
+`--steps` steps each; printed: kernel calls per step and the median step time of each way, in ms.
 """
 
 import argparse
