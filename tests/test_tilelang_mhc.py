@@ -108,12 +108,52 @@ def check(kind, dtype, n, d, device, m=4):
     got, want = call(kind, a, device), call(kind, a, "cpu", use_ref=True)
     what = f"{kind} {dtype} T={n} D={d} on {device}, seed {seed}"
     n_streams = CASES[kind][4]
-    for i in range(n_streams):
-        assert_bits(got[i], want[i], f"{what} output {i}")
+    wg = device == "cuda" and K.column_resident(kind, K._DTYPES[dtype], d)
+    if wg and K._WG_FMA:
+        assert_fma_streams(kind, a, [g.cpu() for g in got[:n_streams]], want[:n_streams], what)
+        if kind == "post_pre":  # the mixes are of the kernel's own h_new
+            want = (*want[:2], *K.mhc_pre_ref(got[0].cpu(), a["fn"], a["scale"], a["base"], a["pre_delayed"],
+                                               **HC)[1:])
+    else:
+        for i in range(n_streams):
+            assert_bits(got[i], want[i], f"{what} output {i}")
     if CASES[kind][3]:
-        two = device == "cuda" and K.column_resident(kind, K._DTYPES[dtype], d)
-        assert_mixes(got[n_streams:], want[n_streams:], what, MIX_TOL_TWO_PIECES if two else MIX_TOL)
+        assert_mixes(got[n_streams:], want[n_streams:], what, MIX_TOL_TWO_PIECES if wg else MIX_TOL)
     return a, got
+
+
+def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    """The spacing of bf16 values at |x| (float64; the smallest normal's below it)."""
+    e = torch.floor(torch.log2(x.abs().clamp_min(2.0**-126)))
+    return torch.pow(2.0, e - 7)
+
+
+def assert_fma_streams(kind, a, got, want, what):
+    """The bf16 streams of a `_WG_FMA` build: each sum rounds once a term instead of twice, so a
+    value may round to the neighbouring bf16 of the reference's. Each h_new and x value is held to
+    one bf16 ulp plus 16 fp32 roundings of its sum of |terms| (two orders of FMA and of multiply,
+    add: at most 2 x 5 roundings apart), x also to what its own h_new terms differ by."""
+    f64 = torch.float64
+    pd = a["pre_delayed"].to(f64)
+    if kind == "post_pre":
+        y, res, post, comb = a["y"].to(f64), a["res"].to(f64), a["post"].to(f64), a["comb"].to(f64)
+        terms = post.unsqueeze(-1) * y.unsqueeze(1).abs() + torch.einsum("tij,tid->tjd", comb, res.abs())
+        h_got, h_want = got[0].to(f64), want[0].to(f64)
+        bound = bf16_ulp(torch.maximum(h_got.abs(), h_want.abs())) + 16 * 2.0**-24 * terms
+        excess = (h_got - h_want).abs() - bound
+        assert excess.max() <= 0, f"{what} h_new: {int((excess > 0).sum())} values past the bound"
+        x_got, x_want = got[1].to(f64), want[1].to(f64)
+        carried = torch.einsum("tj,tjd->td", pd, (h_got - h_want).abs())
+        differ = int((h_got != h_want).sum())
+    else:
+        h_got = a["res"].to(f64)
+        x_got, x_want = got[0].to(f64), want[0].to(f64)
+        carried, differ = 0, 0
+    x_terms = torch.einsum("tj,tjd->td", pd, h_got.abs())
+    bound = bf16_ulp(torch.maximum(x_got.abs(), x_want.abs())) + carried + 16 * 2.0**-24 * x_terms
+    excess = (x_got - x_want).abs() - bound
+    assert excess.max() <= 0, f"{what} x: {int((excess > 0).sum())} values past the bound"
+    print(f"{what}: {differ} h_new and {int((x_got != x_want).sum())} x values differ from the reference's")
 
 
 # ----------------------------------------------------------------------------------- CPU (C target)
@@ -254,7 +294,8 @@ def test_cuda_build_lowers_for_sm90():
 WG_TUNINGS = ({}, {"_WG_KSPLIT": 2}, {"_WG_TPW": 1}, {"_WG_BLK": 24, "_WG_TPW": 3},
               {"_WG_AHEAD_PRE": 1, "_WG_AHEAD_POST_PRE": 2}, {"_WG_TWO_SETS": 1}, {"_WG_RUNNING": 1},
               {"_WG_RUNNING": 1, "_WG_TWO_SETS": 1}, {"_WG_MBAR": 1},
-              {"_WG_MBAR": 1, "_WG_RUNNING": 1, "_WG_TWO_SETS": 1}, {"_WG_BLK": 24, "_WG_TPW": 2, "_WG_RUNNING": 1})
+              {"_WG_MBAR": 1, "_WG_RUNNING": 1, "_WG_TWO_SETS": 1}, {"_WG_BLK": 24, "_WG_TPW": 2, "_WG_RUNNING": 1},
+              {"_WG_FMA": 1, "_WG_RUNNING": 1, "_WG_TWO_SETS": 1})
 
 
 def _wg_tuning(monkeypatch, **tuning):
@@ -302,7 +343,8 @@ def test_cuda_wgmma_kernel_lowers_for_sm90(kind, tuning, monkeypatch):
         assert "*(uint4*)(((uint*)X)" in src and ("*(uint4*)(((uint*)HN)" in src) == (kind == "post_pre")
         assert "dsv41c_ldg128(" not in src
     assert "cvt.rn.bf16x2.f32" in src  # two values rounded into one word of the stream
-    assert "__fmul_rn" in src and "__fadd_rn" in src
+    # the expand and collapse: an IEEE multiply and add a term, or with _WG_FMA fused multiply-adds
+    assert "__fmul_rn" in src and ("__fadd_rn" in src) != bool(K._WG_FMA) and ("__fmaf_rn" in src) == bool(K._WG_FMA)
 
 
 @pytest.mark.parametrize("tuning", ({"_WG_BLK": 20}, {"_WG_TPW": 8}, {"_WG_KSPLIT": 3}, {"_WG_AHEAD_PRE": 0},

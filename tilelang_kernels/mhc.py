@@ -155,6 +155,13 @@ _WG_RUNNING = 0
 # barrier of the whole CTA a block; without it and the GEMM, pre's stream path measured 72% -> 79%
 # of the bound at T = 65536, BENCHMARKS.md).  Prepared, not yet run on a GPU.
 _WG_MBAR = 0
+# CUDA mixing kernel for bf16 streams: 1 forms h_new and x with fused multiply-adds, in the
+# reference's order (`_expand_exprs`, `_collapse_expr`), instead of one IEEE multiply and one add a
+# term: post_pre's streaming loop has 384 FMUL and about 300 FADD a block, of 1,142 instructions
+# with `_WG_TWO_SETS` and `_WG_RUNNING`.  Not bit-exact to the reference: a sum rounds once a term
+# instead of twice, so a stream value may round to the neighbouring bf16 (the GPU tests hold these
+# builds to that, `tests/test_tilelang_mhc.py`).  Prepared, not yet run on a GPU.
+_WG_FMA = 0
 
 
 def column_resident(kind: str, dtype: str, D: int) -> bool:
@@ -582,24 +589,32 @@ def _bf16_pieces(v, n):
     return out
 
 
-def _expand_exprs(m, co, xs, mul, add):
+def _mac(mul, add, fma):
+    """(a, b, s) -> s + a * b: one multiply and one add, each rounded, or with fma (a fused
+    multiply-add (a, b, s), `_WG_FMA`) one rounding."""
+    return (lambda a, b, s: add(s, mul(a, b))) if fma is None else fma
+
+
+def _expand_exprs(m, co, xs, mul, add, fma=None):
     """fp32 expressions of h_new[j], j = 0..m-1, for one column, in the reference's operation order
     (module docstring).  co(k) is the token's coefficient k (post 0..m-1, then comb row-major);
-    xs(r) the fp32 value of source stream r (r = m: y)."""
+    xs(r) the fp32 value of source stream r (r = m: y); fma: see `_mac`."""
+    mac = _mac(mul, add, fma)
     out = []
     for j in range(m):
         s = mul(co(m + j), xs(0))
         for i in range(1, m):
-            s = add(s, mul(co(m + i * m + j), xs(i)))
-        out.append(add(mul(co(j), xs(m)), s))
+            s = mac(co(m + i * m + j), xs(i), s)
+        out.append(add(mul(co(j), xs(m)), s) if fma is None else fma(co(j), xs(m), s))
     return out
 
 
-def _collapse_expr(m, pd, hv, mul, add):
-    """fp32 expression of x = sum_j pd(j) * hv[j], in order j = 0..m-1."""
+def _collapse_expr(m, pd, hv, mul, add, fma=None):
+    """fp32 expression of x = sum_j pd(j) * hv[j], in order j = 0..m-1; fma: see `_mac`."""
+    mac = _mac(mul, add, fma)
     s = mul(pd(0), hv[0])
     for j in range(1, m):
-        s = add(s, mul(pd(j), hv[j]))
+        s = mac(pd(j), hv[j], s)
     return s
 
 
@@ -1052,6 +1067,7 @@ def _cuda_wg_prim_func(kind, m, D):
     ncv = -(-ncoef // sharers)
     mb = L.a_bytes + 2 * L.b_bytes  # `_WG_MBAR`: full[0], full[1], empty[0], empty[1], 8 bytes each
     mul, add = _arith(True)
+    fma = (lambda a, b, c: T.call_extern("float32", "__fmaf_rn", a, b, c)) if _WG_FMA else None
     prelude = _PACK_BF16X2 + (_RUNNING_ADDRS if _WG_RUNNING else "") + _WGMMA_PRELUDE + (
         _MBAR_PRELUDE if _WG_MBAR else "") + _wgmma_fn(BLK) + "".join(
         f"""
@@ -1144,7 +1160,7 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
                         for j, hj in enumerate(_expand_exprs(
                                 m, lambda coef: Cos[buf, r, coef],  # noqa: B023
                                 lambda src_row: _bf16_half(xs[at(si, u, src_row, w)], h),  # noqa: B023
-                                mul, add)):
+                                mul, add, fma)):
                             hf[j, h] = hj
                     for j in T.unroll(m):
                         ol[j, w] = T.call_extern("uint32", "dsv41c_pack_bf16x2", hf[j, 0], hf[j, 1])
@@ -1154,7 +1170,8 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
                 for h in [0, 1]:
                     for j in T.unroll(m):
                         hv[j] = _bf16_half(ol[j, w], h)
-                    xf[h] = _collapse_expr(m, lambda pd_j: Cos[buf, r, ncf - m + pd_j], hv, mul, add)  # noqa: B023
+                    xf[h] = _collapse_expr(m, lambda pd_j: Cos[buf, r, ncf - m + pd_j], hv, mul, add,  # noqa: B023
+                                           fma)
                     for j in T.unroll(m):
                         sq[0] = sq[0] + hv[j] * hv[j]
                 xo[w] = T.call_extern("uint32", "dsv41c_pack_bf16x2", xf[0], xf[1])
