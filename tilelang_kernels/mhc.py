@@ -589,32 +589,26 @@ def _bf16_pieces(v, n):
     return out
 
 
-def _mac(mul, add, fma):
-    """(a, b, s) -> s + a * b: one multiply and one add, each rounded, or with fma (a fused
-    multiply-add (a, b, s), `_WG_FMA`) one rounding."""
-    return (lambda a, b, s: add(s, mul(a, b))) if fma is None else fma
-
-
 def _expand_exprs(m, co, xs, mul, add, fma=None):
     """fp32 expressions of h_new[j], j = 0..m-1, for one column, in the reference's operation order
     (module docstring).  co(k) is the token's coefficient k (post 0..m-1, then comb row-major);
-    xs(r) the fp32 value of source stream r (r = m: y); fma: see `_mac`."""
-    mac = _mac(mul, add, fma)
+    xs(r) the fp32 value of source stream r (r = m: y).  With fma (a fused multiply-add (a, b, s),
+    `_WG_FMA`), each term after the first is one fused multiply-add: one rounding, not two."""
     out = []
     for j in range(m):
         s = mul(co(m + j), xs(0))
         for i in range(1, m):
-            s = mac(co(m + i * m + j), xs(i), s)
+            a, b = co(m + i * m + j), xs(i)
+            s = add(s, mul(a, b)) if fma is None else fma(a, b, s)
         out.append(add(mul(co(j), xs(m)), s) if fma is None else fma(co(j), xs(m), s))
     return out
 
 
 def _collapse_expr(m, pd, hv, mul, add, fma=None):
-    """fp32 expression of x = sum_j pd(j) * hv[j], in order j = 0..m-1; fma: see `_mac`."""
-    mac = _mac(mul, add, fma)
+    """fp32 expression of x = sum_j pd(j) * hv[j], in order j = 0..m-1; fma as for `_expand_exprs`."""
     s = mul(pd(0), hv[0])
     for j in range(1, m):
-        s = mac(pd(j), hv[j], s)
+        s = add(s, mul(pd(j), hv[j])) if fma is None else fma(pd(j), hv[j], s)
     return s
 
 
