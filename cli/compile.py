@@ -14,8 +14,9 @@ from rich.console import Console
 from rich.table import Table
 
 import dsv41c
-from dsv41c.cli.run import TORCH_DTYPES, Device, DType, resolve_device
+from dsv41c.cli.run import DEFAULT_CONFIG, TORCH_DTYPES, Device, DType, config_default_text, resolve_device
 from dsv41c.compiler import BACKENDS, DEFAULT_PASSES, CompiledModel, GraphSnapshot
+from dsv41c.config import default_config
 from dsv41c.errors import InputError
 from dsv41c.export import built_in_place, check_out_dir
 from dsv41c.golden import relative_error
@@ -30,7 +31,8 @@ def register(app: typer.Typer) -> None:
 
 
 def compile_command(
-    config: Path = typer.Option(Path("configs/tiny.json"), "--config", metavar="PATH", help="Model config JSON."),
+    config: Optional[Path] = typer.Option(None, "--config", metavar="PATH",
+                                          show_default=config_default_text(DEFAULT_CONFIG), help="Model config JSON."),
     report: bool = typer.Option(False, "--report", help="Print the passes, op counts, compile time and rates."),
     dump_graphs: Optional[Path] = typer.Option(
         None, "--dump-graphs", metavar="DIR",
@@ -65,6 +67,7 @@ def compile_command(
     eager and compiled. Prints the graphs compiled, the compile time, the pass matches and both
     rates; --report adds the op counts of every graph before the passes and after each one.
     """
+    config = config if config is not None else default_config(DEFAULT_CONFIG)
     if not config.is_file():
         raise InputError(f"--config {config}: expected a config file, found "
                          f"{'a directory' if config.is_dir() else 'nothing'}")

@@ -13,7 +13,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from rich.table import Table
 
 import dsv41c
-from dsv41c.cli.run import CHECKPOINT_CONFIG, TORCH_DTYPES, Device, DType, require_file, resolve_device
+from dsv41c.cli.run import (CHECKPOINT_CONFIG, DEFAULT_CONFIG, TORCH_DTYPES, Device, DType, config_default_text,
+                            require_file, resolve_device)
+from dsv41c.config import default_config
 from dsv41c.compiler import DEFAULT_PASSES
 from dsv41c.errors import InputError
 from dsv41c.export import check_out_dir, program_specs
@@ -26,7 +28,7 @@ def register(app: typer.Typer) -> None:
 def export_command(
     out: Path = typer.Option(..., "--out", metavar="DIR", help="The artifact directory to write (new or empty)."),
     config: Optional[Path] = typer.Option(
-        None, "--config", metavar="PATH", show_default="configs/tiny.json, from the current directory",
+        None, "--config", metavar="PATH", show_default=config_default_text(DEFAULT_CONFIG),
         help="Model config JSON; the weights are random, from --seed."),
     model_dir: Optional[Path] = typer.Option(
         None, "--model", metavar="DIR", help="Checkpoint directory to export instead of random weights."),
@@ -62,7 +64,7 @@ def export_command(
             raise InputError(f"--model {model_dir}: expected a checkpoint directory with {CHECKPOINT_CONFIG}")
         args = dsv41c.ModelArgs.from_json(model_dir / CHECKPOINT_CONFIG)
     else:
-        config = config if config is not None else Path("configs/tiny.json")
+        config = config if config is not None else default_config(DEFAULT_CONFIG)
         args = dsv41c.ModelArgs.from_json(require_file(config, "--config"))
     if max_prompt_len is not None and not 1 <= max_prompt_len <= args.max_seq_len:
         raise InputError(f"--max-prompt-len {max_prompt_len}: expected 1..max_seq_len={args.max_seq_len}")

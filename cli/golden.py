@@ -16,9 +16,10 @@ from rich.table import Table
 import dsv41c
 from dsv41c import golden
 from dsv41c.cli.compile import Backend
+from dsv41c.config import default_config
 from dsv41c.errors import GoldenMismatch, InputError
 
-DEFAULT_CONFIGS = (Path("configs/tiny.json"), Path("configs/tiny2.json"))
+DEFAULT_CONFIGS = ("tiny.json", "tiny2.json")  # `default_config`
 DEFAULT_DIR = Path("golden")
 
 golden_app = typer.Typer(
@@ -33,7 +34,7 @@ def register(app: typer.Typer) -> None:
 @golden_app.command("record")
 def record_command(
     configs: Optional[List[Path]] = typer.Option(
-        None, "--config", metavar="PATH", show_default="configs/tiny.json and configs/tiny2.json",
+        None, "--config", metavar="PATH", show_default="configs/tiny.json and configs/tiny2.json in the current directory, else the installed copies",
         help="Model config JSON; repeat for several. Writes OUT/CONFIG-STEM.safetensors."),
     out: Path = typer.Option(DEFAULT_DIR, "--out", metavar="DIR", help="Directory of the golden files."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random weights and of the prompt ids."),
@@ -49,7 +50,7 @@ def record_command(
     program is held to), random weights from --seed; the file holds the prompt ids, the prefill logits, and the tokens and logits of greedy
     decoding.
     """
-    configs = list(configs) if configs else list(DEFAULT_CONFIGS)
+    configs = list(configs) if configs else [default_config(name) for name in DEFAULT_CONFIGS]
     for config in configs:
         if not config.is_file():
             raise InputError(f"--config {config}: expected a config file, found "

@@ -4,16 +4,19 @@ from __future__ import annotations
 import json
 from fractions import Fraction
 from pathlib import Path
+from typing import Optional
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 import dsv41c
+from dsv41c.cli.run import config_default_text
+from dsv41c.config import default_config
 from dsv41c.errors import ConfigError, InputError
 from dsv41c.kv_budget import DEFAULT_CONTEXT, KVBudget, kv_budget
 
-DEFAULT_CONFIG = Path("configs/flash.json")
+DEFAULT_CONFIG = "flash.json"  # `default_config`
 
 
 def register(app: typer.Typer) -> None:
@@ -21,8 +24,8 @@ def register(app: typer.Typer) -> None:
 
 
 def kv_budget_command(
-    config: Path = typer.Option(
-        DEFAULT_CONFIG, "--config", metavar="PATH", show_default=f"{DEFAULT_CONFIG}, from the current directory",
+    config: Optional[Path] = typer.Option(
+        None, "--config", metavar="PATH", show_default=config_default_text(DEFAULT_CONFIG),
         help="Model config JSON."),
     context: int = typer.Option(DEFAULT_CONTEXT, "--context", metavar="N", help="Tokens held by the sequence."),
     as_json: bool = typer.Option(False, "--json", help="Print the figures as one JSON object instead of tables."),
@@ -31,6 +34,7 @@ def kv_budget_command(
     the fixed per-sequence state (window rings, compressor partial groups, n-gram tail), the total
     at --context tokens, what is persisted, and the same in bf16 against the naive baseline.
     """
+    config = config if config is not None else default_config(DEFAULT_CONFIG)
     if not config.is_file():
         found = "a directory" if config.is_dir() else "nothing"
         raise ConfigError(f"--config {config}: expected a config file, found {found}")

@@ -14,12 +14,18 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 import dsv41c
+from dsv41c.config import default_config
 from dsv41c.errors import InputError
 from dsv41c.generate import GenerationResult, check_prompt, generate
 
-DEFAULT_CONFIG = Path("configs/tiny.json")
+DEFAULT_CONFIG = "tiny.json"  # `default_config`: configs/tiny.json here, else the installed copy
 CHECKPOINT_CONFIG = "config.json"
 CHECKPOINT_TOKENIZER = "tokenizer.json"
+
+
+def config_default_text(name: str) -> str:
+    """How --help shows a default built-in config (`default_config`)."""
+    return f"configs/{name} in the current directory, else the installed copy"
 
 
 class DType(str, Enum):
@@ -41,7 +47,7 @@ def register(app: typer.Typer) -> None:
 
 def run(
     config: Optional[Path] = typer.Option(
-        None, "--config", metavar="PATH", show_default=f"{DEFAULT_CONFIG}, from the current directory",
+        None, "--config", metavar="PATH", show_default=config_default_text(DEFAULT_CONFIG),
         help="Model config JSON; the weights are random, from --seed."),
     model_dir: Optional[Path] = typer.Option(
         None, "--model", metavar="DIR",
@@ -105,7 +111,7 @@ def run(
         tok_file = model_dir / CHECKPOINT_TOKENIZER
         tok = dsv41c.load_tokenizer(tok_file if tok_file.is_file() else None)
     else:
-        config = config if config is not None else DEFAULT_CONFIG
+        config = config if config is not None else default_config(DEFAULT_CONFIG)
         args = dsv41c.ModelArgs.from_json(require_file(config, "--config"))
         tok = dsv41c.load_tokenizer(require_file(tokenizer, "--tokenizer") if tokenizer is not None else None)
 

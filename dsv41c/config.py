@@ -6,14 +6,26 @@ Runs anywhere; no torch needed.
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from dsv41c.errors import ConfigError
 
 SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
+
+
+def default_config(name: str) -> Path:
+    """A built-in config ("tiny.json"), as the CLI's defaults name it: configs/<name> in the current
+    directory if it is there (a checkout, or the user's own copy), else the copy installed with the
+    package, so the commands run from any directory."""
+    local = Path("configs") / name
+    if local.exists():
+        return local
+    return Path(str(importlib.resources.files("dsv41c.configs") / name))
 
 
 @dataclass

@@ -101,9 +101,15 @@ def test_missing_config_file(tmp_path):
     assert_error(invoke("--config", str(tmp_path / "nope.json"), "--prompt", "a"), "nope.json")
 
 
-def test_default_config_is_relative_to_the_current_directory(tmp_path, monkeypatch):
+def test_default_config_is_the_current_directorys_else_the_installed_copy(tmp_path, monkeypatch):
+    """Without --config: configs/tiny.json where the command runs, if there is one (here a broken
+    copy, named in the error), else the copy installed with the package (the run works anywhere)."""
     monkeypatch.chdir(tmp_path)
-    assert_error(invoke("--prompt", "a"), "--config configs/tiny.json", "found nothing")
+    result = invoke("--prompt", "a", "--max-new-tokens", "1")
+    assert result.exit_code == 0, (result.output, result.exception)
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "tiny.json").write_text('{"bogus_key": 1}')
+    assert_error(invoke("--prompt", "a"), "configs/tiny.json", "bogus_key")
 
 
 def test_config_with_unknown_key(tmp_path):

@@ -195,9 +195,16 @@ def test_cli_config_is_a_directory(tmp_path):
     assert_error(invoke("--config", str(tmp_path)), "found a directory")
 
 
-def test_cli_default_config_is_relative_to_the_current_directory(tmp_path, monkeypatch):
+def test_cli_default_config_is_the_current_directorys_else_the_installed_copy(tmp_path, monkeypatch):
+    """Without --config: configs/flash.json where the command runs (here tiny's, copied there), else
+    the installed flash.json."""
     monkeypatch.chdir(tmp_path)
-    assert_error(invoke(), "--config configs/flash.json")
+    installed = json.loads(invoke("--json").stdout)
+    assert Path(installed["config"]).name == "flash.json" and installed["max_seq_len"] == ModelArgs.from_json(FLASH).max_seq_len
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "flash.json").write_text(TINY.read_text())
+    local = json.loads(invoke("--json").stdout)
+    assert local["config"] == str(Path("configs") / "flash.json") and local["max_seq_len"] == ModelArgs.from_json(TINY).max_seq_len
 
 
 def test_cli_bad_config_key(tmp_path):
