@@ -34,7 +34,8 @@ def register(app: typer.Typer) -> None:
 @golden_app.command("record")
 def record_command(
     configs: Optional[List[Path]] = typer.Option(
-        None, "--config", metavar="PATH", show_default="configs/tiny.json and configs/tiny2.json in the current directory, else the installed copies",
+        None, "--config", metavar="PATH",
+        show_default="configs/tiny.json and configs/tiny2.json in the current directory, else the installed copies",
         help="Model config JSON; repeat for several. Writes OUT/CONFIG-STEM.safetensors."),
     out: Path = typer.Option(DEFAULT_DIR, "--out", metavar="DIR", help="Directory of the golden files."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random weights and of the prompt ids."),
