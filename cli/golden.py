@@ -48,8 +48,8 @@ def record_command(
     """Record golden files and update OUT/manifest.json.
 
     The model is the eager float32 one without the KV fake quantisers (the reference a compiled
-    program is held to), random weights from --seed; the file holds the prompt ids, the prefill logits, and the tokens and logits of greedy
-    decoding.
+    program is held to), random weights from --seed; the file holds the prompt ids, the prefill
+    logits, and the tokens and logits of greedy decoding.
     """
     configs = list(configs) if configs else [default_config(name) for name in DEFAULT_CONFIGS]
     for config in configs:
