@@ -6,6 +6,8 @@ import sys
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from conftest import THREE_KINDS, record_tiny_cut
 from dsv41c.passes.fuse_wqa_wkv import FuseSiblingLinears
 from dsv41c.passes.manager import (
@@ -168,6 +170,68 @@ def test_find_sites_absorbs_a_chain_of_untraced_nodes():
     g, x, (a, b, c, e) = graph_of(leak=True)
     (site,) = provenance.find_sites(g, key)
     assert site.nodes == {a, e} and site.inputs == [x, c] and site.outputs == [a, e]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_find_sites_absorbs_the_largest_consistent_set_of_untraced_nodes(data):
+    """On random graphs of nodes traced to site A or B, untraced nodes and constants: the untraced
+    nodes find_sites places are exactly the largest set that can be placed, found by trying every
+    subset: a node joins the one site all its users are in (placed with it), and reads only that
+    site's nodes and constants."""
+    from itertools import combinations
+
+    from dsv41c.passes import provenance
+    kinds = data.draw(st.lists(st.sampled_from("AB.c"), min_size=2, max_size=11))
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(2)
+    nodes = []
+    for i, kind in enumerate(kinds):
+        if kind == "c" or not nodes:          # a constant: no inputs
+            n = g.call_function(aten.zeros.default, ([2],))
+        else:
+            near = st.integers(max(0, len(nodes) - 3), len(nodes) - 1)   # (mostly recent nodes: chains)
+            picks = data.draw(st.lists(st.one_of(near, near, st.integers(0, len(nodes) - 1)), min_size=1, max_size=2),
+                              label=f"inputs {i}")
+            args = [nodes[j] for j in picks] + ([x] if data.draw(st.booleans(), label=f"x {i}") else [])
+            n = g.call_function(aten.add.Tensor, tuple(args[:2])) if len(args) > 1 else \
+                g.call_function(aten.neg.default, (args[0],))
+        if kind in "AB":
+            n.meta["stack_trace"] = f'File "/src/dsv41c/mhc.py", line 1, in f\n    site {kind}\n'
+        n.meta["site"] = kind
+        nodes.append(n)
+    outs = data.draw(st.lists(st.integers(0, len(nodes) - 1), min_size=1, max_size=3), label="outputs")
+    g.output(tuple(nodes[j] for j in outs))
+
+    def key(node):
+        return (node.meta["site"],) if node.meta.get("site") in ("A", "B") else None
+
+    placed = {n: s.key[0] for s in provenance.find_sites(g, key) for n in s.nodes if n.meta.get("site") == "."}
+    owned = {n: n.meta["site"] for n in nodes if n.meta["site"] in "AB"}
+    untraced = [n for n in nodes if n.meta["site"] == "." and n.users]
+
+    def placement(subset):
+        """The sites of a subset placed as the rule says, or None where it breaks the rule."""
+        where = dict(owned)
+        for n in reversed(subset):            # graph order reversed: users first
+            homes = {where.get(u) for u in n.users}
+            if len(homes) != 1 or None in homes:
+                return None
+            where[n] = homes.pop()
+        for n in subset:
+            if any(where.get(a) != where[n] and not provenance.is_constant(a) for a in n.all_input_nodes):
+                return None
+        return {n: where[n] for n in subset}
+
+    best = {}
+    for k in range(len(untraced), 0, -1):
+        found = [p for c in combinations(untraced, k) if (p := placement(list(c))) is not None]
+        if found:  # (one at most: two placeable sets' union is placeable too)
+            assert len(found) == 1
+            best = found[0]
+            break
+    assert placed == best
 
 
 def test_unknown_pass_is_an_error():
