@@ -396,6 +396,13 @@ def test_every_kernel_modules_c_builds_are_called_directly():
               indexer.build("scores", (2, 64, True, True, True), "c"),
               indexer.build("select", ("topk", "all"), "c")]
     assert all(isinstance(b.call, K.CCall) for b in builds)
+    select = builds[-1]   # (scores [B,S,N] as bf16 bits, visible lengths [S], out [B,S,k], k, offset)
+    sc, vl, out = torch.zeros(1, 2, 8, dtype=torch.uint16), torch.full((2,), 8, dtype=torch.int32), \
+        torch.empty(1, 2, 3, dtype=torch.int32)
+    select(sc, vl, out, 3, 0)
+    for k in (3.0, True, None, torch.tensor(3)):  # an int32 scalar takes a Python int only
+        with pytest.raises(ValueError, match="expects a number"):
+            select(sc, vl, out, k, 0)
 
 
 @pytest.mark.gpu
