@@ -26,6 +26,7 @@ import secrets
 
 import pytest
 import torch
+from conftest import bf16_ulp
 from dsv41c.tilelang_kernels import mhc as K
 
 from dsv41c import mhc
@@ -120,12 +121,6 @@ def check(kind, dtype, n, d, device, m=4):
     if CASES[kind][3]:
         assert_mixes(got[n_streams:], want[n_streams:], what, MIX_TOL_TWO_PIECES if wg else MIX_TOL)
     return a, got
-
-
-def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
-    """The spacing of bf16 values at |x| (float64; the smallest normal's below it)."""
-    e = torch.floor(torch.log2(x.abs().clamp_min(2.0**-126)))
-    return torch.pow(2.0, e - 7)
 
 
 def assert_fma_streams(kind, a, got, want, what):
