@@ -29,7 +29,7 @@ import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from dsv41c.errors import InputError
+from dsv41c.errors import InputError, unwrapped
 from dsv41c.model import Transformer
 from dsv41c.moe import Experts
 from dsv41c.passes import provenance
@@ -497,14 +497,15 @@ class CompiledModel:
         if graphed:                                            # each call is a new step of the CUDA graph trees
             torch.compiler.cudagraph_mark_step_begin()
         args = (input_ids, start_pos, full_logits, return_hidden)
-        try:                # a call that a compiled graph serves needs none of the compile-time settings
-            with torch.no_grad(), opaque_grouped_mm(self._opaque_experts), \
-                    torch.compiler.set_stance("fail_on_recompile"):
-                out = self._fn(*args)
-        except RuntimeError as e:
-            if "fail_on_recompile" not in str(e):
-                raise
-            out = self._compile_and_run(args, graphed)
+        with unwrapped():   # a pass's error (strict mode) as itself, not inside Dynamo's
+            try:            # a call that a compiled graph serves needs none of the compile-time settings
+                with torch.no_grad(), opaque_grouped_mm(self._opaque_experts), \
+                        torch.compiler.set_stance("fail_on_recompile"):
+                    out = self._fn(*args)
+            except RuntimeError as e:
+                if "fail_on_recompile" not in str(e):
+                    raise
+                out = self._compile_and_run(args, graphed)
         if graphed:  # a graph's outputs live in its memory pool, which the next step overwrites
             out = torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, out)
         return out

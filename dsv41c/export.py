@@ -67,7 +67,7 @@ from dsv41c.cache import ModelCache
 from dsv41c.compiler import (CPP_WRAPPER_WORKAROUNDS, DEFAULT_PASSES, experts_without_shim, inductor_options,
                              opaque_grouped_mm)
 from dsv41c.config import ModelArgs, build_layer_plan
-from dsv41c.errors import ArtifactError, InputError
+from dsv41c.errors import ArtifactError, InputError, unwrapped
 from dsv41c.golden import QUANT_RUNNER_BOUND, RUNNER_BOUND, file_sha256, relative_error
 from dsv41c.model import Transformer, check_token_range
 from dsv41c.passes.manager import build_pipeline
@@ -471,7 +471,7 @@ def export(model: Transformer, out: str | os.PathLike, passes: Sequence[str] | N
             with torch.no_grad():
                 ep, (spec.lo, spec.hi) = _export_program(model, spec, caches, max_prompt_len)
             stage(f"AOTInductor compile of {spec.file}")
-            with pipeline_installed(model, names, strict) as (pipeline, options):
+            with pipeline_installed(model, names, strict) as (pipeline, options), unwrapped():
                 spec.constants = compile_package(ep, tmp / spec.file, {**options, **WEIGHTS_OUTSIDE}, weights)
             spec.pass_matches = {s.name: s.matches for s in pipeline.stats.values()}
             spec.code_sha256 = code_digest(tmp / spec.file)

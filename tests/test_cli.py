@@ -283,6 +283,14 @@ def test_compile_fp4_kv_without_kv_quant_is_one_red_line(one_layer):
                              "--pass", "fp4_kv"), "fp4_kv", "kv_quant=True")
 
 
+def test_compile_strict_pass_error_is_one_red_line(one_layer):
+    """A pass's error raised while Dynamo compiles (one_layer has no indexer site, so strict
+    lower_indexer matches nothing) reaches the CLI as itself, not inside Dynamo's wrapper."""
+    assert_error(compile_cli("--config", str(one_layer), "--backend", "passes_only", "--device", "cpu", "--strict",
+                             "--pass", "lower_indexer", "--prompt-len", "5", "--decode-steps", "1"),
+                 "pass lower_indexer: no match in graph 1 (strict mode)")
+
+
 @pytest.mark.parametrize("extra, fragment", [
     (("--device", "cpu"), "--device cpu"),
     (("--backend", "passes_only"), "--backend passes_only"),

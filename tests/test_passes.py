@@ -239,6 +239,25 @@ def test_unknown_pass_is_an_error():
         build_pipeline(["nope"])
 
 
+def test_a_pass_error_inside_torchs_compile_errors_is_raised_as_itself():
+    """Dynamo and Inductor wrap a backend's exception; `unwrapped` raises the dsv41c error inside
+    (chained to the wrapper) and leaves every other exception as it is."""
+    from torch._dynamo.exc import BackendCompilerFailed
+    from torch._inductor.exc import InductorError
+
+    from dsv41c.errors import unwrapped
+
+    inner = PassError("pass x: no match")
+    for wrapper in (InductorError(inner, None), BackendCompilerFailed(lambda: None, InductorError(inner, None), None)):
+        with pytest.raises(PassError) as info, unwrapped():
+            raise wrapper
+        assert info.value is inner and info.value.__cause__ is wrapper
+    other = BackendCompilerFailed(lambda: None, ValueError("not ours"), None)
+    with pytest.raises(BackendCompilerFailed) as info, unwrapped():
+        raise other
+    assert info.value is other
+
+
 def test_passes_only_backend_hands_the_pipeline_the_graph_inductor_does():
     """passes_only stops after the post-grad passes; up to there it is Inductor's path (freezing
     included), so the pipeline sees the same graph and leaves the same rewrite, which then runs."""
