@@ -47,7 +47,6 @@ naming the site.
 from __future__ import annotations
 
 import operator
-import warnings
 from collections import Counter
 
 import torch
@@ -143,12 +142,7 @@ class PackedKV(GraphPass):
         left = [n for n in graph.nodes if is_cache_codec(n) and n not in rewrite.operands]
         if left and not missed:
             missed.append(f"{len(left)} codec op(s) outside any site, first {left[0].name}")
-        if missed:
-            message = f"fp4_kv: {len(missed)} cache codec site(s) left as torch ops, first: {missed[0]}"
-            if self.strict:
-                raise PassError(message)
-            warnings.warn(message, stacklevel=2)
-            stats.details += [f"left: {m}" for m in missed]
+        self.report_left(stats, missed, "cache codec site(s)")
         stats.nodes_removed = sum(len(s.nodes) for s in sites if s.kind in REFS) - len(left)
         stats.nodes_added = rewrite.added
         return stats

@@ -57,7 +57,6 @@ import functools
 import inspect
 import operator
 import textwrap
-import warnings
 
 import torch
 from torch import fx
@@ -162,12 +161,7 @@ class LowerIndexer(ModelPass):
         before = len(graph.nodes)
         provenance.prune(graph)
         stats.nodes_removed = before - len(graph.nodes)
-        if missed:
-            message = f"lower_indexer: {len(missed)} indexer site(s) left as torch ops, first: {missed[0]}"
-            if self.strict:
-                raise PassError(message)
-            warnings.warn(message, stacklevel=2)
-            stats.details += [f"left: {m}" for m in missed]
+        self.report_left(stats, missed, "indexer site(s)")
         return stats
 
 

@@ -36,13 +36,12 @@ error naming the site.
 """
 from __future__ import annotations
 
-import warnings
 
 import torch
 from torch import fx
 
 from dsv41c.passes import provenance
-from dsv41c.passes.manager import ModelPass, PassError, PassStats
+from dsv41c.passes.manager import ModelPass, PassStats
 from dsv41c.passes.provenance import Site, site_key
 
 ATTENTION_FILE = "dsv41c/attention.py"
@@ -87,12 +86,7 @@ class LowerSparseAttn(ModelPass):
         before = len(graph.nodes)
         provenance.prune(graph)
         stats.nodes_removed = before - len(graph.nodes)
-        if missed:
-            message = f"lower_sparse_attn: {len(missed)} site(s) left as torch ops, first: {missed[0]}"
-            if self.strict:
-                raise PassError(message)
-            warnings.warn(message, stacklevel=2)
-            stats.details += [f"left: {m}" for m in missed]
+        self.report_left(stats, missed, "site(s)")
         return stats
 
     # ------------------------------------------------------------------ one site

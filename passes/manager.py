@@ -10,6 +10,7 @@ import hashlib
 import importlib
 import inspect
 import json
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -60,6 +61,17 @@ class GraphPass:
 
     def apply(self, graph: torch.fx.Graph) -> PassStats:
         raise NotImplementedError
+
+    def report_left(self, stats: PassStats, left: Sequence[str], what: str) -> None:
+        """Sites the pass left as torch ops (`left`: one description each; `what` names them,
+        e.g. "indexer site(s)"): an error in strict mode, else a warning and a `left:` detail each."""
+        if not left:
+            return
+        message = f"{self.name}: {len(left)} {what} left as torch ops, first: {left[0]}"
+        if self.strict:
+            raise PassError(message)
+        warnings.warn(message, stacklevel=3)
+        stats.details += [f"left: {m}" for m in left]
 
 
 class ModelPass(GraphPass):
