@@ -564,6 +564,8 @@ NO_SYNC_ATTR = "dsv41c.no_thread_storage_sync"  # prim_func attr: TileLang inser
 # prim_func attr: TileLang adds no bounds guards to the CUDA build's global accesses (the kernel
 # guards every one itself, so TileLang's would be a second test and its address arithmetic)
 NO_GUARD_ATTR = "dsv41c.no_safe_memory_access"
+# The C builds' compiler flags (TileLang's own command has none, so gcc would not optimise).
+C_FLAGS = ["-O3", "-ffp-contract=off"]
 
 
 def compile_for(fn, target: str):
@@ -575,7 +577,7 @@ def compile_for(fn, target: str):
     whose warp groups meet at named barriers), an inserted CTA-wide barrier costs time or
     deadlocks."""
     if target == "c":
-        return Launcher(tilelang.compile(fn, target="c"))
+        return Launcher(tilelang.compile(fn, target="c", compile_flags=C_FLAGS))
     arch = target.partition(":")[2]
     tgt = {"kind": "cuda", "arch": arch} if arch else "cuda"
     return Launcher(tilelang.compile(fn, target=tgt, pass_configs=cuda_pass_configs(fn)))
