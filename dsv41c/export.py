@@ -865,23 +865,31 @@ class Artifact:
         """The prompt and every decode position must lie within the exported bounds."""
         lo, hi = self.bounds["prompt_len"]
         if not lo <= prompt_len <= hi:
-            raise InputError(f"prompt of {prompt_len} tokens: outside the exported prefill bounds {lo}..{hi} "
-                             f"of {self.root} (re-export with other bounds, or use the compiled model)")
+            raise self._outside("prefill", f"prompt of {prompt_len} tokens", prompt_len)
         last = prompt_len + max_new_tokens - 2                     # the last decode step's position
         if max_new_tokens > 1:
             lo, hi = self.bounds["decode_pos"]
             if prompt_len < lo or last > hi:
-                raise InputError(f"decode positions {prompt_len}..{last}: outside the exported decode bounds "
-                                 f"{lo}..{hi} of {self.root}")
+                raise self._outside("decode", f"decode positions {prompt_len}..{last}",
+                                    prompt_len if prompt_len < lo else last)
+
+    def _outside(self, phase: str, what: str, t: int) -> InputError:
+        """The error for a length or position t outside the phase's bounds, with what can be done."""
+        lo, hi = self.bounds["prompt_len" if phase == "prefill" else "decode_pos"]
+        if t < lo:      # torch.export's 0/1 specialisation and the model's shape branches (module docstring)
+            why = (f"torch.export settled the model's shape branches from {lo} on; dsv41c.compile takes any "
+                   f"{'length' if phase == 'prefill' else 'position'}")
+        elif phase == "prefill" and hi < self.args.max_seq_len:
+            why = f"export again with a larger --max-prompt-len, at most max_seq_len {self.args.max_seq_len}"
+        else:
+            why = f"the model's max_seq_len is {self.args.max_seq_len}"
+        return InputError(f"{what}: outside the exported {phase} bounds {lo}..{hi} of {self.root} ({why})")
 
     def _program(self, phase: str, t: int):
         for spec, runner in self.programs:
             if spec.phase == phase and spec.covers(t):
                 return runner
-        what = "prompt of" if phase == "prefill" else "decode at position"
-        lo, hi = self.bounds["prompt_len" if phase == "prefill" else "decode_pos"]
-        raise InputError(f"{what} {t}{' tokens' if phase == 'prefill' else ''}: outside the exported {phase} "
-                         f"bounds {lo}..{hi} of {self.root}")
+        raise self._outside(phase, f"prompt of {t} tokens" if phase == "prefill" else f"decode at position {t}", t)
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
