@@ -512,7 +512,8 @@ def test_prompts_and_positions_beyond_the_bounds_are_input_errors(exported):
         loaded.check_generation(lo - 1, 4)
     with pytest.raises(InputError, match=shorter):
         loaded(torch.zeros(1, lo - 1, dtype=torch.long), 0)
-    with pytest.raises(InputError, match="decode at position 256: outside the exported decode bounds .*max_seq_len is 256"):
+    with pytest.raises(InputError, match="decode at position 256: outside the exported decode bounds .*max_seq_len "
+                                         "is 256"):
         loaded(torch.zeros(1, 1, dtype=torch.long), model.args.max_seq_len)
     with pytest.raises(InputError, match="exported for batch 1, found batch 2"):
         loaded(torch.zeros(2, 8, dtype=torch.long), 0)
