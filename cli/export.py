@@ -113,7 +113,8 @@ def programs_table(manifest: dict) -> Table:
         table.add_column(header)
     for p in manifest["programs"]:
         what = "prompt" if p["phase"] == "prefill" else "position"
-        bounds = f"{what} {p['min']}..{p['max']}" + (f", ≡ {p['residue']} mod {p['period']}" if p["period"] > 1 else "")
+        residue = f", ≡ {p['residue']} mod {p['period']}" if p["period"] > 1 else ""
+        bounds = f"{what} {p['min']}..{p['max']}{residue}"
         matches = ", ".join(f"{k} {v}" for k, v in (p["pass_matches"] or {}).items()) or "none"
         table.add_row(p["file"], p["phase"], bounds, matches)
     return table

@@ -844,7 +844,8 @@ class Artifact:
         m = manifest["model"]
         if m.get("dtype") not in DTYPES:
             raise _bad(root, f"model.dtype: expected one of {sorted(DTYPES)}, found {m.get('dtype')!r}")
-        self.cache = ModelCache(self.args, build_layer_plan(self.args), DTYPES[m["dtype"]], m.get("kv_storage", "plain"))
+        self.cache = ModelCache(self.args, build_layer_plan(self.args), DTYPES[m["dtype"]],
+                                m.get("kv_storage", "plain"))
         found = [[CACHE_PREFIX + n, list(b.shape), str(b.dtype).removeprefix("torch.")]
                  for n, b in self.cache.named_buffers()]
         if found != manifest["cache"]:

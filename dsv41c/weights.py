@@ -149,7 +149,8 @@ def _to_released_format(model: Transformer, tensors: dict[str, torch.Tensor]):
             out[name] = have
         elif want.dtype in (torch.float8_e4m3fn, torch.float4_e2m1fn_x2):
             source = tensors[name].float()
-            w, s = (quant.quantize_fp8_weight if want.dtype == torch.float8_e4m3fn else quant.quantize_fp4_weight)(source)
+            quantize = quant.quantize_fp8_weight if want.dtype == torch.float8_e4m3fn else quant.quantize_fp4_weight
+            w, s = quantize(source)
             out[name], out[name[:-len("weight")] + "scale"] = w, s
         elif name not in out:
             out[name] = have
