@@ -283,8 +283,9 @@ def lowered():
 @pytest.mark.slow
 def test_whole_model_indexers_are_kernel_calls(lowered):
     compiled = lowered["compiled"]
-    # prefill, decode step; a decode step with whole candidate blocks (n % 8 == 0) compiles its own
-    assert compiled.graphs == 3
+    # prefill, and one decode graph for every position, whole candidate blocks (n % 8 == 0) included
+    # (tests/test_graph_capture.py)
+    assert compiled.graphs == 2
     for graph in range(1, compiled.graphs + 1):
         snaps = {s.stage: s for s in compiled.snapshots if s.graph == graph}
         before, after = snaps["fp4_kv"].code, snaps["lower_indexer"].code
