@@ -39,6 +39,10 @@ def export_command(
     max_prompt_len: Optional[int] = typer.Option(
         None, "--max-prompt-len", metavar="N", show_default="max_seq_len",
         help="The longest prompt the prefill package accepts."),
+    short_prompts: bool = typer.Option(
+        False, "--short-prompts",
+        help="Also export a one-token program at each position below the decode package's range (a compile "
+             "each), so that prompts shorter than the prefill package's range run a token at a time."),
     dtype: DType = typer.Option(DType.float32, "--dtype", help="Activation and weight dtype."),
     kv_quant: bool = typer.Option(False, "--kv-quant/--no-kv-quant",
                                   help="Apply the official KV fake-quantisation in the exported programs."),
@@ -96,7 +100,8 @@ def export_command(
             model = dsv41c.build_model(args, seed=seed, dtype=TORCH_DTYPES[dtype], kv_quant=kv_quant, device=target)
             source = {"config": config.name, "seed": seed}
         with torch.no_grad():
-            dsv41c.export(model, out, names, strict, max_prompt_len=max_prompt_len, source=source, on_stage=stage)
+            dsv41c.export(model, out, names, strict, max_prompt_len=max_prompt_len, short_prompts=short_prompts,
+                          source=source, on_stage=stage)
     seconds = time.perf_counter() - t0
 
     from dsv41c.export import read_manifest

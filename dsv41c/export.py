@@ -38,7 +38,10 @@ compressor writes its open group without a branch on the remainder), so export w
 one prefill.pt2 and one decode.pt2. Artifacts from before that hold one prefill package per residue
 of the lcm of the compress ratios (`prefill.r<i>.pt2`); the loader still runs them. The narrowed
 ranges are the artifact's bounds; `load_artifact` refuses a call outside them (the packages do not
-check).
+check). A dynamic range never holds a size of 1 (torch.export specialises it), so the shortest
+prompts and first positions lie below the ranges; `short_prompts` adds a static one-token program
+at each position below the decode program's (`decode.p<i>.pt2`), and the loader runs a prompt
+shorter than the prefill's range a token at a time through them (`artifact_bounds`).
 """
 from __future__ import annotations
 
@@ -55,7 +58,7 @@ import tempfile
 import time
 import warnings
 import zipfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -168,6 +171,7 @@ class ProgramSpec:
     pass_matches: dict | None = None
     code_sha256: str = ""
     constants: dict | None = None          # constant name -> [stored tensor, shape, stride, offset]
+    static: bool = False                   # a decode step at the one position lo (`short_step_specs`)
 
     def covers(self, t: int) -> bool:
         return t % self.period == self.residue and self.lo <= t <= self.hi
@@ -177,6 +181,31 @@ def program_specs() -> list[ProgramSpec]:
     """One prefill package and one decode package: each takes the same branches at every residue
     of the length (see "Programs" in the module docstring)."""
     return [ProgramSpec("prefill", 1, 0, "prefill.pt2"), ProgramSpec("decode", 1, 0, "decode.pt2")]
+
+
+def short_step_specs(first_decode: int) -> list[ProgramSpec]:
+    """Static one-token programs at the positions 0 .. first_decode - 1, below the decode program's
+    range (`export(short_prompts=True)`): with them a prompt shorter than the prefill program's
+    range runs a token at a time, and decoding may start from any position. Position 0 is the
+    prompt's first token alone."""
+    return [ProgramSpec("decode", 1, 0, f"decode.p{pos}.pt2", pos, pos, static=True) for pos in range(first_decode)]
+
+
+def artifact_bounds(specs: Sequence[ProgramSpec]) -> dict[str, list[int]]:
+    """The prompt lengths and decode positions the programs cover. Decode programs count from the
+    lowest position up to the first gap; when they cover every position before the prefill's
+    range, any shorter prompt runs through them a token at a time (`Artifact.__call__`)."""
+    prefill = [s for s in specs if s.phase == "prefill"]
+    decode = sorted((s for s in specs if s.phase == "decode"), key=lambda s: s.lo)
+    p_lo, p_hi = max(s.lo for s in prefill), min(s.hi for s in prefill)   # (older artifacts: one per residue)
+    d_lo, d_hi = decode[0].lo, decode[0].hi
+    for spec in decode[1:]:
+        if spec.lo > d_hi + 1:
+            break
+        d_hi = max(d_hi, spec.hi)
+    if d_lo == 0 and d_hi >= p_lo - 1:
+        p_lo = 1
+    return {"prompt_len": [p_lo, p_hi], "decode_pos": [max(d_lo, 1), d_hi]}
 
 
 def _dim_range(ep, placeholder: str, dim: int, period: int, residue: int) -> tuple[int, int]:
@@ -299,6 +328,9 @@ def _export_step(model: Transformer, spec: ProgramSpec, caches: list[torch.Tenso
         shapes = {"body": {1: Dim.AUTO(min=1, max=k_max)}, "tail": None, "caches": [None] * len(caches)}
         ep = torch.export.export(PrefillStep(model, p, r), example, dynamic_shapes=shapes, strict=True)
         return ep, _dim_range(ep, "body", 1, p, r)
+    if spec.static:
+        example = (torch.zeros(BATCH, 1, dtype=torch.long, device=dev), torch.empty(spec.lo, 0, device=dev), caches)
+        return torch.export.export(DecodeStep(model, p, r), example, strict=True), (spec.lo, spec.hi)
     k_max = (args.max_seq_len - 1 - r) // p
     k_ex = example_count(k_max)
     example = (torch.zeros(BATCH, 1, dtype=torch.long, device=dev), torch.empty(k_ex, 0, device=dev), caches)
@@ -411,6 +443,23 @@ def pipeline_installed(model: Transformer, names: Sequence[str], strict: bool):
         yield pipeline, options
 
 
+def _with_short_steps(specs: list[ProgramSpec], short_prompts: bool) -> Iterator[ProgramSpec]:
+    """The specs in turn; with short_prompts, then the static steps below the decode program's
+    range, which is known once that program is exported (appended to specs)."""
+    yield from list(specs)
+    if short_prompts:
+        first = min(s.lo for s in specs if s.phase == "decode")
+        specs += short_step_specs(first)
+        yield from specs[-first:] if first else []
+
+
+def _short_len(specs: list[ProgramSpec], bounds: dict) -> int:
+    """The longest prompt below the prefill program's range that the artifact runs a token at a
+    time (0 if none)."""
+    lo = min(s.lo for s in specs if s.phase == "prefill")
+    return lo - 1 if bounds["prompt_len"][0] < lo else 0
+
+
 def _last_words(proc: subprocess.CompletedProcess) -> str:
     """The last non-empty lines a failed child process wrote to stderr."""
     return "\n".join([line for line in proc.stderr.strip().splitlines() if line.strip()][-6:])
@@ -446,14 +495,17 @@ def built_in_place(path: Path):
 
 
 def export(model: Transformer, out: str | os.PathLike, passes: Sequence[str] | None = DEFAULT_PASSES,
-           strict: bool = False, *, max_prompt_len: int | None = None, source: dict | None = None,
-           on_stage: Callable[[str], None] | None = None) -> Path:
+           strict: bool = False, *, max_prompt_len: int | None = None, short_prompts: bool = False,
+           source: dict | None = None, on_stage: Callable[[str], None] | None = None) -> Path:
     """Export `model` to the artifact directory `out` (new or empty), built in a temp directory
     beside it and renamed into place: `out` is complete or absent. The packages are compiled for
     the model's device (CPU, or the CUDA device it is on) and load only on such a device.
 
     passes: the pass pipeline, as for `dsv41c.compile` (strict: a pass that matches nothing is an
-    error); max_prompt_len: the largest prompt the prefill accepts (default max_seq_len); source:
+    error); max_prompt_len: the largest prompt the prefill accepts (default max_seq_len);
+    short_prompts: also export a static one-token program at each position below the decode
+    program's range (`short_step_specs`; a compile each), so that prompts of any length run and
+    decoding may start anywhere (without them, prompts start at the prefill program's range); source:
     where the weights came from, recorded in the manifest; on_stage: called with a description at
     the start of each stage (progress display). Returns the artifact's path.
     """
@@ -478,7 +530,7 @@ def export(model: Transformer, out: str | os.PathLike, passes: Sequence[str] | N
     with opaque_grouped_mm(experts_without_shim(model)), built_in_place(out) as tmp:
         custom_ops: set[str] = set()
         uuid = build_pipeline(names, strict).uuid()
-        for spec in specs:
+        for spec in _with_short_steps(specs, short_prompts):
             stage(f"torch.export of {spec.file}")
             with torch.no_grad():
                 ep, (spec.lo, spec.hi) = _export_program(model, spec, caches, max_prompt_len)
@@ -491,12 +543,16 @@ def export(model: Transformer, out: str | os.PathLike, passes: Sequence[str] | N
         del ep, caches  # device copies of the weights and caches, not needed by the check
         stage(f"writing {WEIGHTS_FILE}, the tokenizer and the manifest")
         safetensors.torch.save_file(weights.tensors, str(tmp / WEIGHTS_FILE))
+        # safetensors writes the file owner-only; give it the packages' mode (the umask's), so that
+        # whoever may read the packages may read their weights
+        (tmp / WEIGHTS_FILE).chmod((tmp / specs[0].file).stat().st_mode & 0o777)
         del weights
         model.tokenizer.backend.save(str(tmp / TOKENIZER_FILE))
         manifest = _manifest(model, specs, names, strict, uuid, sorted(custom_ops), source, target, tmp)
         (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
         stage("checking the artifact against the model, loaded in a fresh process")
-        manifest["check"] = check_artifact(tmp, model, manifest["bounds"], check_bound(model, names))
+        manifest["check"] = check_artifact(tmp, model, manifest["bounds"], check_bound(model, names),
+                                           short_len=_short_len(specs, manifest["bounds"]))
         (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     return out
 
@@ -556,6 +612,9 @@ if "next" in given:
 if "example" in given:
     artifact.reset_cache()
     out["prefill_example"] = artifact(given["example"].to(artifact.device), 0).float().cpu()
+if "short" in given:
+    artifact.reset_cache()
+    out["prefill_short"] = artifact(given["short"].to(artifact.device), 0).float().cpu()
 torch.save(out, io)
 """
 
@@ -604,7 +663,7 @@ def run_check_process(root: Path, io: Path, scratch: str) -> subprocess.Complete
                           cwd=scratch)
 
 
-def check_artifact(root: Path, model: Transformer, bounds: dict, bound: float) -> dict[str, Any]:
+def check_artifact(root: Path, model: Transformer, bounds: dict, bound: float, short_len: int = 0) -> dict[str, Any]:
     """Load the finished artifact in a fresh process, as a user does (hashes, versions, weights,
     packages), run a seeded prompt and one decode step, then a second prompt at the length the
     prefill was traced and tuned at (the export's example: half the bound; at most
@@ -613,7 +672,9 @@ def check_artifact(root: Path, model: Transformer, bounds: dict, bound: float) -
     right at one and wrong at the other (an H200 package of bench.json's widths was 0.011 from
     eager at its example's 4096 tokens and 0.67 at 24). Returns what was measured, for the
     manifest; raises ArtifactError past the bound, so a package that computes something else is
-    never shipped. While the fresh process runs, a CUDA model waits on the host (`off_the_device`)."""
+    never shipped. With short_len, a third prompt of that many tokens runs a token at a time through
+    the static steps and the decode program (`short_step_specs`). While the fresh process runs, a
+    CUDA model waits on the host (`off_the_device`)."""
     lo, hi = bounds["prompt_len"]
     n = min(max(lo, CHECK_PROMPT_LEN), hi)
     n_example = min(max(lo, min(example_count(hi), CHECK_LONG_PROMPT_MAX)), hi)   # the programs have period 1
@@ -631,6 +692,11 @@ def check_artifact(root: Path, model: Transformer, bounds: dict, bound: float) -
                                              generator=torch.Generator().manual_seed(1))
             model.reset_cache()
             ref["prefill_example"] = model(given["example"].to(model.device), 0).float().cpu()
+        if short_len:
+            given["short"] = torch.randint(0, model.args.vocab_size, (BATCH, short_len),
+                                           generator=torch.Generator().manual_seed(2))
+            model.reset_cache()
+            ref["prefill_short"] = model(given["short"].to(model.device), 0).float().cpu()
     model.reset_cache()
     with tempfile.TemporaryDirectory() as scratch:
         io = Path(scratch) / "check.pt"
@@ -650,17 +716,17 @@ def check_artifact(root: Path, model: Transformer, bounds: dict, bound: float) -
         each = ", ".join(f"{k} {err:.3g}" for k, err in errors.items())
         raise ArtifactError(f"export: the artifact's {' and '.join(bad)} logits differ from the eager model's "
                             f"({each}; relative max-abs, bound {bound:g}, prompts of "
-                            f"{n if n == n_example else f'{n} and {n_example}'} seeded tokens); nothing was "
+                            f"{' and '.join(dict.fromkeys(str(k) for k in (n, n_example, short_len) if k))} "
+                            f"seeded tokens); nothing was "
                             f"written. torch {torch.__version__}, {target_of(model.device)}")
-    return {"prompt_len": n, "example_prompt_len": n_example, "bound": bound, "relative_error": errors}
+    return {"prompt_len": n, "example_prompt_len": n_example, **({"short_prompt_len": short_len} if short_len else {}),
+            "bound": bound, "relative_error": errors}
 
 
 def _manifest(model: Transformer, specs: list[ProgramSpec], passes: list[str], strict: bool, uuid: str,
               custom_ops: list[str], source: dict | None, target: dict[str, str], root: Path) -> dict[str, Any]:
     tok = model.tokenizer
     dtype = next(k for k, v in DTYPES.items() if v == model.dtype)
-    prefill = [s for s in specs if s.phase == "prefill"]
-    decode = [s for s in specs if s.phase == "decode"]
     return {
         "format": FORMAT,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -671,8 +737,7 @@ def _manifest(model: Transformer, specs: list[ProgramSpec], passes: list[str], s
         "versions": versions(),
         "device": target,
         "batch": BATCH,
-        "bounds": {"prompt_len": [max(s.lo for s in prefill), min(s.hi for s in prefill)],
-                   "decode_pos": [max(s.lo for s in decode), min(s.hi for s in decode)]},
+        "bounds": artifact_bounds(specs),
         "programs": [{"file": s.file, "phase": s.phase, "period": s.period, "residue": s.residue,
                       "min": s.lo, "max": s.hi, "pass_matches": s.pass_matches, "code_sha256": s.code_sha256,
                       "constants": s.constants}
@@ -840,6 +905,8 @@ class Artifact:
         self.args = ModelArgs.from_dict(manifest["config"], source=f"{root / MANIFEST_FILE}: config")
         self.programs = programs
         self.periods = {spec.phase: spec.period for spec, _ in programs}     # decode: 1 (older: per residue)
+        # shorter prompts (when the bounds start below it) run a token at a time through the decode steps
+        self.prefill_from = min(spec.lo for spec, _ in programs if spec.phase == "prefill")
         self.bounds = {k: tuple(v) for k, v in manifest["bounds"].items()}
         m = manifest["model"]
         if m.get("dtype") not in DTYPES:
@@ -878,8 +945,8 @@ class Artifact:
         """The error for a length or position t outside the phase's bounds, with what can be done."""
         lo, hi = self.bounds["prompt_len" if phase == "prefill" else "decode_pos"]
         if t < lo:      # torch.export's 0/1 specialisation and the model's shape branches (module docstring)
-            why = (f"torch.export settled the model's shape branches from {lo} on; dsv41c.compile takes any "
-                   f"{'length' if phase == 'prefill' else 'position'}")
+            why = (f"torch.export settled the model's shape branches from {lo} on; export with --short-prompts, "
+                   f"or use dsv41c.compile, for any {'length' if phase == 'prefill' else 'position'}")
         elif phase == "prefill" and hi < self.args.max_seq_len:
             why = f"export again with a larger --max-prompt-len, at most max_seq_len {self.args.max_seq_len}"
         else:
@@ -902,6 +969,12 @@ class Artifact:
             raise InputError(f"input_ids: the artifact is exported for batch {BATCH}, found batch {b}")
         check_token_range(input_ids, start_pos, self.args.vocab_size)
         input_ids = input_ids.to(self._device)
+        if start_pos == 0 and self.bounds["prompt_len"][0] <= s < self.prefill_from:
+            for pos in range(s):                      # the static steps, then the decode program
+                out = self._program("decode", pos)(input_ids[:, pos:pos + 1],
+                                                    decode_marker(pos, self.periods["decode"], input_ids.device),
+                                                    self.caches)
+            return out
         if start_pos == 0:
             run = self._program("prefill", s)
             return run(*prefill_inputs(input_ids, self.periods["prefill"]), self.caches)

@@ -30,8 +30,9 @@ from dsv41c.cli.main import app
 from dsv41c.compiler import DEFAULT_PASSES
 from dsv41c.config import build_layer_plan
 from dsv41c.errors import ArtifactError, InputError
-from dsv41c.export import MANIFEST_FILE, check_artifact, load_artifact, sha256, verify
+from dsv41c.export import MANIFEST_FILE, artifact_bounds, check_artifact, load_artifact, sha256, verify
 from dsv41c.generate import generate
+from dsv41c.golden import relative_error
 from dsv41c.passes.manager import build_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,16 +64,21 @@ def cut_args() -> dsv41c.ModelArgs:
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    """(model, artifact directory) of one export with the default passes, strict."""
+    """(model, artifact directory) of one export with the default passes, strict, and the static
+    steps below the decode program's range (`short_prompts`): positions 0..3 on this cut."""
     model = dsv41c.build_model(cut_args(), seed=0)
     stages = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = dsv41c.export(model, tmp_path_factory.mktemp("export") / "artifact", DEFAULT_PASSES, strict=True,
-                            max_prompt_len=MAX_PROMPT, source={"seed": 0}, on_stage=stages.append)
+                            max_prompt_len=MAX_PROMPT, short_prompts=True, source={"seed": 0},
+                            on_stage=stages.append)
     # the steps' cache swap is not reported as a side effect to double-check (`_export_program`)
     assert not [w for w in caught if "side effects" in str(w.message)], [str(w.message)[:200] for w in caught]
-    assert len(stages) == 6 and stages[-3] == "AOTInductor compile of decode.pt2", stages
+    assert stages[:4] == ["torch.export of prefill.pt2", "AOTInductor compile of prefill.pt2",
+                          "torch.export of decode.pt2", "AOTInductor compile of decode.pt2"], stages
+    assert stages[4:-2] == [f"{what} of decode.p{pos}.pt2" for pos in range(4)
+                            for what in ("torch.export", "AOTInductor compile")], stages
     assert stages[-2].startswith("writing") and stages[-1].startswith("checking the artifact"), stages
     return model, out
 
@@ -114,23 +120,29 @@ def test_manifest_records_the_pipeline_its_matches_versions_bounds_and_hashes(ex
                            "uuid": build_pipeline(DEFAULT_PASSES, True).uuid()}
     assert m["versions"]["torch"] == torch.__version__ and m["versions"]["dsv41c"] == dsv41c.__version__
     assert m["device"] == {"type": "cpu"}
-    assert [p["file"] for p in m["programs"]] == ["prefill.pt2", "decode.pt2"]
+    steps = [f"decode.p{pos}.pt2" for pos in range(4)]
+    assert [p["file"] for p in m["programs"]] == ["prefill.pt2", "decode.pt2", *steps]
     for p in m["programs"]:
         # wq_a + wkv of every layer fused, in the graph AOTInductor compiled (not a cache hit)
         assert p["pass_matches"]["fuse_wqa_wkv"] >= model.args.n_layers, p
-    lo, hi = m["bounds"]["prompt_len"]
-    assert 1 <= lo <= 8 and hi == MAX_PROMPT                  # dynamic: a range, not one length
-    lo, hi = m["bounds"]["decode_pos"]
-    assert lo <= m["bounds"]["prompt_len"][0] and hi == model.args.max_seq_len - 1
-    assert set(m["files"]) == {"prefill.pt2", "decode.pt2", "tokenizer.json", "weights.safetensors"}
+    ranges = [(p["min"], p["max"]) for p in m["programs"]]
+    assert 1 < ranges[0][0] <= 8 and ranges[0][1] == MAX_PROMPT               # dynamic: a range, not one length
+    assert ranges[1] == (4, model.args.max_seq_len - 1) and ranges[2:] == [(0, 0), (1, 1), (2, 2), (3, 3)]
+    # the static steps cover every position below the decode program's, so any prompt length runs
+    assert m["bounds"] == {"prompt_len": [1, MAX_PROMPT], "decode_pos": [1, model.args.max_seq_len - 1]}
+    assert set(m["files"]) == {"prefill.pt2", "decode.pt2", *steps, "tokenizer.json", "weights.safetensors"}
     assert all(sha256(artifact / name) == digest for name, digest in m["files"].items())
+    # one mode for every file: the weights are not owner-only while the packages are readable
+    assert len({(artifact / name).stat().st_mode & 0o777 for name in m["files"]}) == 1
     assert m["pieces"] == {}                                  # every file is under one piece
     assert m["tokenizer"]["bos_id"] == model.tokenizer.bos_id
     assert verify(artifact) == m
     check = m["check"]                          # the export's own run of the artifact against eager
-    assert check["bound"] == 1e-4 and set(check["relative_error"]) == {"prefill", "decode", "prefill_example"}, check
+    assert check["bound"] == 1e-4 and set(check["relative_error"]) == {"prefill", "decode", "prefill_example",
+                                                                       "prefill_short"}, check
     assert m["bounds"]["prompt_len"][0] <= check["prompt_len"] <= m["bounds"]["prompt_len"][1]
     assert check["example_prompt_len"] == MAX_PROMPT // 2 != check["prompt_len"]    # the prefill's traced length
+    assert check["short_prompt_len"] == ranges[0][0] - 1         # the longest prompt run a token at a time
 
 
 def test_the_export_check_refuses_an_artifact_that_computes_another_model(exported):
@@ -138,7 +150,7 @@ def test_the_export_check_refuses_an_artifact_that_computes_another_model(export
     it came from; against a model of other weights (seed 1) it raises instead of passing."""
     model, artifact = exported
     bounds = manifest_of(artifact)["bounds"]
-    errors = check_artifact(artifact, model, bounds, 1e-4)["relative_error"]
+    errors = check_artifact(artifact, model, bounds, 1e-4)["relative_error"]      # (no short prompt)
     assert max(errors.values()) <= 1e-4, errors
     other = dsv41c.build_model(cut_args(), seed=1)
     with pytest.raises(ArtifactError, match=r"prefill and decode and prefill_example logits differ from the eager "
@@ -500,23 +512,50 @@ def test_prompts_and_positions_beyond_the_bounds_are_input_errors(exported):
     model, artifact = exported
     loaded = load_artifact(artifact)
     lo, hi = loaded.bounds["prompt_len"]
+    assert lo == 1 < loaded.prefill_from
     longer = rf"prompt of {hi + 1} tokens: outside the exported prefill bounds .*larger --max-prompt-len"
     with pytest.raises(InputError, match=longer):
         loaded.check_generation(hi + 1, 1)
     with pytest.raises(InputError, match=longer):
         loaded(torch.zeros(1, hi + 1, dtype=torch.long), 0)
-    assert lo > 1  # the 0/1 specialisation: a prompt of one token is never in a dynamic program's range
-    shorter = (rf"prompt of {lo - 1} tokens: outside the exported prefill bounds {lo}\.\.{hi} .*from {lo} on; "
-               r"dsv41c.compile takes any length")
-    with pytest.raises(InputError, match=shorter):
-        loaded.check_generation(lo - 1, 4)
-    with pytest.raises(InputError, match=shorter):
-        loaded(torch.zeros(1, lo - 1, dtype=torch.long), 0)
     with pytest.raises(InputError, match="decode at position 256: outside the exported decode bounds .*max_seq_len "
                                          "is 256"):
         loaded(torch.zeros(1, 1, dtype=torch.long), model.args.max_seq_len)
     with pytest.raises(InputError, match="exported for batch 1, found batch 2"):
         loaded(torch.zeros(2, 8, dtype=torch.long), 0)
+    # as exported without the static steps: prompts start at the prefill program's range (the 0/1
+    # specialisation: a one-token prompt is never in a dynamic program's range)
+    loaded.programs = [(spec, run) for spec, run in loaded.programs if spec.phase == "prefill" or spec.lo < spec.hi]
+    loaded.bounds = {k: tuple(v) for k, v in artifact_bounds([spec for spec, _ in loaded.programs]).items()}
+    lo = loaded.bounds["prompt_len"][0]
+    assert lo == loaded.prefill_from > 1
+    shorter = (rf"prompt of {lo - 1} tokens: outside the exported prefill bounds {lo}\.\.{hi} .*from {lo} on; "
+               r"export with --short-prompts, or use dsv41c.compile, for any length")
+    with pytest.raises(InputError, match=shorter):
+        loaded.check_generation(lo - 1, 4)
+    with pytest.raises(InputError, match=shorter):
+        loaded(torch.zeros(1, lo - 1, dtype=torch.long), 0)
+
+
+def test_a_prompt_shorter_than_the_prefill_program_runs_a_token_at_a_time_through_the_static_steps(exported):
+    """Prompts of 1 .. prefill_from - 1 tokens: the static steps (positions 0..3), then the decode
+    program; the logits of the prompt and of the decode steps after it equal eager's, and so do
+    those of a prompt that the prefill program takes, for contrast."""
+    model, artifact = exported
+    loaded = load_artifact(artifact)
+    for n in (*range(1, loaded.prefill_from), loaded.prefill_from):
+        ids = torch.randint(0, model.args.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
+        loaded.reset_cache()
+        model.reset_cache()
+        with torch.no_grad():
+            got, want = [loaded(ids, 0)], [model(ids, 0)]
+            for pos in range(n, n + 3):
+                token = want[-1].argmax(-1, keepdim=True)
+                got.append(loaded(token, pos))
+                want.append(model(token, pos))
+        errors = [relative_error(g, w) for g, w in zip(got, want, strict=True)]
+        assert max(errors) <= 1e-4, (n, errors)
+    model.reset_cache()
 
 
 def test_the_cli_prints_one_red_line_for_a_tampered_artifact_and_a_long_prompt(exported, tmp_path):
@@ -774,7 +813,6 @@ def check_a_package_with_its_constants_inside(device: str, tmp_path: Path, width
     from torch._inductor import aoti_compile_and_package, aoti_load_package
 
     from dsv41c.compiler import experts_without_shim, opaque_grouped_mm
-    from dsv41c.golden import relative_error
     E = export_module
     model = dsv41c.build_model(first_four_args(widths), seed=0, dtype=torch.bfloat16, device=device)
     caches = [b.detach().clone() for name, b in model.named_buffers() if name.startswith(E.CACHE_PREFIX)]
