@@ -119,7 +119,7 @@ def programs_table(manifest: dict) -> Table:
     for p in manifest["programs"]:
         what = "prompt" if p["phase"] == "prefill" else "position"
         residue = f", ≡ {p['residue']} mod {p['period']}" if p["period"] > 1 else ""
-        bounds = f"{what} {p['min']}..{p['max']}{residue}"
+        bounds = f"{what} {p['min']}" if p["min"] == p["max"] else f"{what} {p['min']}..{p['max']}{residue}"
         matches = ", ".join(f"{k} {v}" for k, v in (p["pass_matches"] or {}).items()) or "none"
         table.add_row(p["file"], p["phase"], bounds, matches)
     return table

@@ -558,6 +558,20 @@ def test_a_prompt_shorter_than_the_prefill_program_runs_a_token_at_a_time_throug
     model.reset_cache()
 
 
+def test_the_programs_table_gives_a_static_step_its_one_position():
+    from rich.console import Console
+
+    from dsv41c.cli.export import programs_table
+    program = {"phase": "decode", "period": 1, "residue": 0}
+    manifest = {"programs": [{**program, "file": "decode.pt2", "min": 4, "max": 255, "pass_matches": {"f": 3}},
+                             {**program, "file": "decode.p0.pt2", "min": 0, "max": 0, "pass_matches": {}}]}
+    console = Console(width=120, record=True)
+    console.print(programs_table(manifest))
+    text = console.export_text()
+    assert re.search(r"decode\.pt2\s+decode\s+position 4\.\.255\s+f 3", text), text
+    assert re.search(r"decode\.p0\.pt2\s+decode\s+position 0\s+none", text), text
+
+
 def test_the_cli_prints_one_red_line_for_a_tampered_artifact_and_a_long_prompt(exported, tmp_path):
     art = copy_of(exported[1], tmp_path)
     result = CliRunner().invoke(app, ["run", "--artifact", str(art), "--prompt", "x" * 40])
