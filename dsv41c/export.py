@@ -58,7 +58,7 @@ import tempfile
 import time
 import warnings
 import zipfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -443,16 +443,6 @@ def pipeline_installed(model: Transformer, names: Sequence[str], strict: bool):
         yield pipeline, options
 
 
-def _with_short_steps(specs: list[ProgramSpec], short_prompts: bool) -> Iterator[ProgramSpec]:
-    """The specs in turn; with short_prompts, then the static steps below the decode program's
-    range, which is known once that program is exported (appended to specs)."""
-    yield from list(specs)
-    if short_prompts:
-        first = min(s.lo for s in specs if s.phase == "decode")
-        specs += short_step_specs(first)
-        yield from specs[-first:] if first else []
-
-
 def _short_len(specs: list[ProgramSpec], bounds: dict) -> int:
     """The longest prompt below the prefill program's range that the artifact runs a token at a
     time (0 if none)."""
@@ -530,7 +520,9 @@ def export(model: Transformer, out: str | os.PathLike, passes: Sequence[str] | N
     with opaque_grouped_mm(experts_without_shim(model)), built_in_place(out) as tmp:
         custom_ops: set[str] = set()
         uuid = build_pipeline(names, strict).uuid()
-        for spec in _with_short_steps(specs, short_prompts):
+        pending = list(specs)
+        while pending:
+            spec = pending.pop(0)
             stage(f"torch.export of {spec.file}")
             with torch.no_grad():
                 ep, (spec.lo, spec.hi) = _export_program(model, spec, caches, max_prompt_len)
@@ -540,6 +532,10 @@ def export(model: Transformer, out: str | os.PathLike, passes: Sequence[str] | N
             spec.pass_matches = {s.name: s.matches for s in pipeline.stats.values()}
             spec.code_sha256 = code_digest(tmp / spec.file)
             custom_ops |= set(_custom_ops(tmp / spec.file))
+            if short_prompts and spec.phase == "decode" and not spec.static:   # its range is known now
+                steps = short_step_specs(spec.lo)
+                specs += steps
+                pending += steps
         del ep, caches  # device copies of the weights and caches, not needed by the check
         stage(f"writing {WEIGHTS_FILE}, the tokenizer and the manifest")
         safetensors.torch.save_file(weights.tensors, str(tmp / WEIGHTS_FILE))
