@@ -132,36 +132,6 @@ _WG_GEMM_REGS = 88
 # post_pre from 76% to 65% (its three sets spill).
 _WG_AHEAD_PRE = 2
 _WG_AHEAD_POST_PRE = 1
-# CUDA mixing kernel for bf16 streams, two ways to fewer instructions a block (the streaming warps
-# issue about 1,300 a block of post_pre, about 2.0 a cycle per SM at 76% of the bound; 85% needs
-# about 2.2; prepared, not yet timed on a GPU):
-# - `_WG_TWO_SETS` = 1: with one block in flight, two register sets and the block loop unrolled by
-#   two, instead of copying the next block's streams into the current block's registers (post_pre:
-#   the 40 MOV a block go);
-# - `_WG_RUNNING` = 1: the streams' global loads and stores through running 64-bit addresses a
-#   thread, set once and stepped a block at a time, with each row at an immediate offset, instead
-#   of TileLang's 64-bit index arithmetic, which ptxas recomputes every block; and a token past N
-#   is not loaded, where the default zeroes its registers (ptxas zeroes every block's, before the
-#   predicated loads).
-# In the sm_90a SASS (`benchmarks/sass.py --family mhc`, 168 registers and no spills in each),
-# instructions a block of the streaming loop: post_pre 1,304, 1,242 with two sets, 1,250 with
-# running addresses (the copy takes 94 MOV), 1,142 with both; pre 446, 391 with running addresses.
-_WG_TWO_SETS = 0
-_WG_RUNNING = 0
-# CUDA mixing kernel for bf16 streams: 1 hands each B tile between the streaming warps and the GEMM
-# warpgroup through mbarriers (full: the streaming threads arrive after their stores; empty: the
-# GEMM warpgroup arrives after the block's epilogue), with each streaming warp fetching its own
-# tokens' coefficients, so no streaming warp waits for another (the default meets at one named
-# barrier of the whole CTA a block; without it and the GEMM, pre's stream path measured 72% -> 79%
-# of the bound at T = 65536, BENCHMARKS.md).  Prepared, not yet run on a GPU.
-_WG_MBAR = 0
-# CUDA mixing kernel for bf16 streams: 1 forms h_new and x with fused multiply-adds, in the
-# reference's order (`_expand_exprs`, `_collapse_expr`), instead of one IEEE multiply and one add a
-# term: post_pre's streaming loop has 384 FMUL and about 300 FADD a block, of 1,142 instructions
-# with `_WG_TWO_SETS` and `_WG_RUNNING`.  Not bit-exact to the reference: a sum rounds once a term
-# instead of twice, so a stream value may round to the neighbouring bf16 (the GPU tests hold these
-# builds to that, `tests/test_tilelang_mhc.py`).  Prepared, not yet run on a GPU.
-_WG_FMA = 0
 
 
 def column_resident(kind: str, dtype: str, D: int) -> bool:
@@ -589,26 +559,24 @@ def _bf16_pieces(v, n):
     return out
 
 
-def _expand_exprs(m, co, xs, mul, add, fma=None):
+def _expand_exprs(m, co, xs, mul, add):
     """fp32 expressions of h_new[j], j = 0..m-1, for one column, in the reference's operation order
     (module docstring).  co(k) is the token's coefficient k (post 0..m-1, then comb row-major);
-    xs(r) the fp32 value of source stream r (r = m: y).  With fma (a fused multiply-add (a, b, s),
-    `_WG_FMA`), each term after the first is one fused multiply-add: one rounding, not two."""
+    xs(r) the fp32 value of source stream r (r = m: y)."""
     out = []
     for j in range(m):
         s = mul(co(m + j), xs(0))
         for i in range(1, m):
-            a, b = co(m + i * m + j), xs(i)
-            s = add(s, mul(a, b)) if fma is None else fma(a, b, s)
-        out.append(add(mul(co(j), xs(m)), s) if fma is None else fma(co(j), xs(m), s))
+            s = add(s, mul(co(m + i * m + j), xs(i)))
+        out.append(add(mul(co(j), xs(m)), s))
     return out
 
 
-def _collapse_expr(m, pd, hv, mul, add, fma=None):
-    """fp32 expression of x = sum_j pd(j) * hv[j], in order j = 0..m-1; fma as for `_expand_exprs`."""
+def _collapse_expr(m, pd, hv, mul, add):
+    """fp32 expression of x = sum_j pd(j) * hv[j], in order j = 0..m-1."""
     s = mul(pd(0), hv[0])
     for j in range(1, m):
-        s = add(s, mul(pd(j), hv[j])) if fma is None else fma(pd(j), hv[j], s)
+        s = add(s, mul(pd(j), hv[j]))
     return s
 
 
@@ -860,7 +828,6 @@ def _cuda_mixes_prim_func(kind, dtype, m, D):
     return names, _prim_func(names, S, body)
 
 
-_STREAMS = ("H", "Y", "RES", "HN", "X")
 # CUDA: two fp32 values rounded to nearest even into one word of two bf16 (lo in the low half)
 _PACK_BF16X2 = """
 __device__ __forceinline__ unsigned dsv41c_pack_bf16x2(float lo, float hi) {
@@ -870,8 +837,8 @@ __device__ __forceinline__ unsigned dsv41c_pack_bf16x2(float lo, float hi) {
 }
 """
 
-# CUDA: 16-byte global accesses at a running address p (an integer, `_WG_RUNNING`) plus a constant
-# byte offset, which ptxas folds into the instruction's immediate
+# CUDA: 16-byte global accesses at a running address p (an integer) plus a constant byte offset,
+# which ptxas folds into the instruction's immediate
 _RUNNING_ADDRS = """
 __device__ __forceinline__ unsigned long long dsv41c_addr(const void* p) {
   return reinterpret_cast<unsigned long long>(p);
@@ -924,8 +891,8 @@ __device__ __forceinline__ void dsv41c_wgmma_commit() {
 __device__ __forceinline__ void dsv41c_wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
 """
 
-# CUDA, sm_90: mbarriers at byte offset off of the wgmma kernel's shared memory (`_WG_MBAR`);
-# arrive releases and the wait acquires at CTA scope (the PTX defaults)
+# CUDA, sm_90: mbarriers at byte offset off of the wgmma kernel's shared memory; arrive releases
+# and the wait acquires at CTA scope (the PTX defaults)
 _MBAR_PRELUDE = """
 __device__ __forceinline__ void dsv41c_mbar_init(const void* p, unsigned off, unsigned count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(dsv41c_sbase(p) + off), "r"(count) : "memory");
@@ -998,7 +965,9 @@ def _cuda_wg_prim_func(kind, m, D):
 
     Grid (G = D / W column groups, P token groups), W = `_CR_W` = 256 columns of every stream per
     CTA; the CTA takes blocks of BLK = `_WG_BLK` tokens (bp, bp + P, ...).  BLK / `_WG_TPW`
-    streaming warps, then one GEMM warpgroup; the two sides meet at one named barrier per block.
+    streaming warps, then one GEMM warpgroup; the two sides hand each block's B tile over through
+    mbarriers (full: the streaming threads arrive after their stores; empty: the GEMM warpgroup
+    arrives after the block's epilogue), so no streaming warp waits for another.
     - Streams: the flat kernel's access pattern.  A warp works on whole tokens, lane L on columns
       8L .. 8L + 7 of the CTA's group, so each warp-wide 16-byte access is the group's 512
       contiguous bytes of one row.  The streams are held as uint32 words of two bf16, h_new
@@ -1016,13 +985,14 @@ def _cuda_wg_prim_func(kind, m, D):
       of its coefficient (m = 4: 24 coefficients in 48 rows; the wgmma's rows 48-63 read the next
       k block's rows and are never used).  Each streaming warp writes its tokens' h_new into the
       block's B tile (K-major, 128-byte swizzle, two buffers), fences it for the async proxy and
-      arrives at the block's barrier.
-    - The GEMM warpgroup waits at that barrier, issues the block's 64 wgmma m64nBLKk16 (the k
+      arrives at the tile's full mbarrier.
+    - The GEMM warpgroup waits on that mbarrier, issues the block's 64 wgmma m64nBLKk16 (the k
       steps split over `_WG_KSPLIT` accumulators, each from zero, then added with IEEE adds: the
       tensor cores' own accumulation drifts over long k), waits for them, and writes the block's
       mixes and the streaming warps' sums of squares to the workspace [G, T, 32] for the finalize
-      kernel, then meets the streaming warps at the next block's barrier; so a B tile is written
-      again only after its wgmma have completed.  setmaxnreg moves registers from the GEMM
+      kernel, then arrives at the tile's empty mbarrier, on which the streaming warps wait before
+      they write that tile again; so a B tile is written again only after its wgmma have
+      completed.  setmaxnreg moves registers from the GEMM
       warpgroup (`_WG_GEMM_REGS`) to the streaming warps.  The wgmma and their waits sit in
       branches on a warp-uniform warpgroup index, and the epilogue reads every accumulator
       unconditionally: ptxas serialises every wgmma otherwise.
@@ -1055,68 +1025,49 @@ def _cuda_wg_prim_func(kind, m, D):
     src = "RES" if expand else "H"
     pmax = max(1, _CR_WAVES * _SMS // G)
     nfv = mix * m * W // 4  # float4 vectors of fn's slice
-    # the coefficients a fetch shares out: the block's over the streaming threads, or with `_WG_MBAR`
-    # a warp's own tokens' over its lanes; ncv a thread
-    ncoef, sharers = (BLK * ncf, nst) if not _WG_MBAR else (TPW * ncf, 32)
-    ncv = -(-ncoef // sharers)
-    mb = L.a_bytes + 2 * L.b_bytes  # `_WG_MBAR`: full[0], full[1], empty[0], empty[1], 8 bytes each
+    # the coefficients a fetch shares out: a warp's own tokens' over its lanes, ncv a lane
+    ncoef = TPW * ncf
+    ncv = -(-ncoef // 32)
+    mb = L.a_bytes + 2 * L.b_bytes  # the mbarriers full[0], full[1], empty[0], empty[1], 8 bytes each
     mul, add = _arith(True)
-    fma = (lambda a, b, c: T.call_extern("float32", "__fmaf_rn", a, b, c)) if _WG_FMA else None
-    prelude = _PACK_BF16X2 + (_RUNNING_ADDRS if _WG_RUNNING else "") + _WGMMA_PRELUDE + (
-        _MBAR_PRELUDE if _WG_MBAR else "") + _wgmma_fn(BLK) + "".join(
+    prelude = _PACK_BF16X2 + _RUNNING_ADDRS + _WGMMA_PRELUDE + _MBAR_PRELUDE + _wgmma_fn(BLK) + "".join(
         f"""
 __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("setmaxnreg.{op}.sync.aligned.u32 {r};"); }}
 """ for op, r in (("dec", _WG_GEMM_REGS), ("inc", r_st)))
     nacc = BLK // 2  # accumulator registers of one wgmma
     row_bytes = D * 2  # one token's row of one bf16 stream
-    sets = list(range(AH + 1))  # the register sets, unless one_set (a list: unrolled at trace time)
-    one_set = AH == 1 and not _WG_TWO_SETS  # xl and xn: the next block's streams copied into xl
-
-    def at(si, u, j, w):
-        """The index in xs of word w of stream row j of the warp's token u (in its register set si,
-        if not None)."""
-        return (u, j, w) if si is None else (si, u, j, w)
+    sets = list(range(AH + 1))  # the register sets (a list: unrolled at trace time)
 
     @T.macro
-    def load_streams(V, xs, blk, q, cw, si=None, ra=None):
-        """The warp's tokens of block blk (zeros past N), words cw .. cw + 3 of each row, into xs
-        (into its register set si, with `AH` > 1).  With `_WG_RUNNING`, from the running load
-        addresses ra[0] (the streams) and ra[1] (y) at block blk, which then step to the next,
-        and nothing past N."""
+    def load_streams(X, blk, q, si, ra):
+        """The warp's tokens of block blk, words cw .. cw + 3 of each row, into register set si of
+        X, from the running load addresses ra[0] (the streams) and ra[1] (y) at block blk, which
+        then step to the next.  A token past N is not loaded: it keeps stale words, but its h_new,
+        x, column of the B tile and mixes are never stored, and a GEMM column depends on its own
+        token alone."""
         for u in T.unroll(TPW):
-            t = blk * BLK + q * TPW + u
-            if t < N:
+            if blk * BLK + q * TPW + u < N:
                 for j in rows:
-                    if _WG_RUNNING:
-                        T.call_extern("handle", "dsv41c_ldg128", ra[1] if j == m else ra[0],
-                                      u * row_bytes if j == m else u * m * row_bytes + j * row_bytes,
-                                      T.address_of(xs[at(si, u, j, 0)]))
-                    else:
-                        for w in T.vectorized(4):
-                            xs[at(si, u, j, w)] = V["Y"][t, cw + w] if j == m else V[src][t, j, cw + w]
-            elif not _WG_RUNNING:  # (with it, a token past N keeps stale words: its h_new, x, column of
-                # the B tile and mixes are never stored, and a GEMM column depends on its own token alone)
-                for j in rows:
-                    for w in T.unroll(4):
-                        xs[at(si, u, j, w)] = T.uint32(0)
-        if _WG_RUNNING:
-            ra[0] = ra[0] + ra[5]
-            if expand:
-                ra[1] = ra[1] + ra[4]
+                    T.call_extern("handle", "dsv41c_ldg128", ra[1] if j == m else ra[0],
+                                  u * row_bytes if j == m else u * m * row_bytes + j * row_bytes,
+                                  T.address_of(X[si, u, j, 0]))
+        ra[0] = ra[0] + ra[5]
+        if expand:
+            ra[1] = ra[1] + ra[4]
 
     def coef_index(v, tx):
-        """Element v of streaming thread tx's share of the coefficients: in the block's, or with
-        `_WG_MBAR` in its warp's tokens' (row-major, ncf a token)."""
-        return v * nst + tx if not _WG_MBAR else v * 32 + tx % 32
+        """Element v of streaming thread tx's share of its warp's tokens' coefficients (row-major,
+        ncf a token)."""
+        return v * 32 + tx % 32
 
     def coef_row(v, tx):
         """The token row (in the block) of that element."""
-        return coef_index(v, tx) // ncf + (0 if not _WG_MBAR else tx // 32 * TPW)
+        return coef_index(v, tx) // ncf + tx // 32 * TPW
 
     @T.macro
     def fetch_coefs(B, cv, blk, tx):
-        """Block blk's per-token coefficients into cv: a share of the whole block's for each
-        streaming thread (tx), or with `_WG_MBAR` a share of its own warp's tokens'."""
+        """Block blk's per-token coefficients into cv: streaming thread tx's share of its own
+        warp's tokens'."""
         for v in T.unroll(ncv):
             e = coef_index(v, tx)
             k = e % ncf
@@ -1136,13 +1087,13 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
         for v in T.unroll(ncv):
             if coef_index(v, tx) < ncoef:
                 Cos[buf, coef_row(v, tx), coef_index(v, tx) % ncf] = cv[v]
-        if _WG_MBAR:
-            T.call_extern("handle", "__syncwarp")  # the warp's own rows, read by its lanes alone
+        T.call_extern("handle", "__syncwarp")  # the warp's own rows, read by its lanes alone
 
     @T.macro
-    def compute(V, R, blk, buf, xs, q, lane, cw, sm, si=None):
-        """The warp's tokens of block blk from xs (its register set si, with `AH` > 1): h_new
-        and x stored, h_new into B tile buf, squares into SQ."""
+    def compute(R, blk, buf, X, q, lane, sm, si):
+        """The warp's tokens of block blk from register set si of X: h_new and x stored (at the
+        running store addresses ra[2] (x) and ra[3] (h_new), which then step to the next block),
+        h_new into B tile buf, squares into SQ."""
         Cos, SQ, ol, xo, hf, xf, hv, sq = R["Cos"], R["SQ"], R["ol"], R["xo"], R["hf"], R["xf"], R["hv"], R["sq"]
         for u in T.unroll(TPW):
             r = q * TPW + u
@@ -1153,36 +1104,27 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
                     for h in [0, 1]:
                         for j, hj in enumerate(_expand_exprs(
                                 m, lambda coef: Cos[buf, r, coef],  # noqa: B023
-                                lambda src_row: _bf16_half(xs[at(si, u, src_row, w)], h),  # noqa: B023
-                                mul, add, fma)):
+                                lambda src_row: _bf16_half(X[si, u, src_row, w], h),  # noqa: B023
+                                mul, add)):
                             hf[j, h] = hj
                     for j in T.unroll(m):
                         ol[j, w] = T.call_extern("uint32", "dsv41c_pack_bf16x2", hf[j, 0], hf[j, 1])
                 else:
                     for j in T.unroll(m):
-                        ol[j, w] = xs[at(si, u, j, w)]
+                        ol[j, w] = X[si, u, j, w]
                 for h in [0, 1]:
                     for j in T.unroll(m):
                         hv[j] = _bf16_half(ol[j, w], h)
-                    xf[h] = _collapse_expr(m, lambda pd_j: Cos[buf, r, ncf - m + pd_j], hv, mul, add,  # noqa: B023
-                                           fma)
+                    xf[h] = _collapse_expr(m, lambda pd_j: Cos[buf, r, ncf - m + pd_j], hv, mul, add)  # noqa: B023
                     for j in T.unroll(m):
                         sq[0] = sq[0] + hv[j] * hv[j]
                 xo[w] = T.call_extern("uint32", "dsv41c_pack_bf16x2", xf[0], xf[1])
             if t < N:
-                if _WG_RUNNING:  # from the running store addresses ra[2] (x) and ra[3] (h_new)
-                    T.call_extern("handle", "dsv41c_stg128", R["ra"][2], u * row_bytes, T.address_of(xo[0]))
-                    if expand:
-                        for j in T.unroll(m):
-                            T.call_extern("handle", "dsv41c_stg128", R["ra"][3], u * m * row_bytes + j * row_bytes,
-                                          T.address_of(ol[j, 0]))
-                else:
-                    for w in T.vectorized(4):
-                        V["X"][t, cw + w] = xo[w]
-                    if expand:
-                        for j in T.unroll(m):
-                            for w in T.vectorized(4):
-                                V["HN"][t, j, cw + w] = ol[j, w]
+                T.call_extern("handle", "dsv41c_stg128", R["ra"][2], u * row_bytes, T.address_of(xo[0]))
+                if expand:
+                    for j in T.unroll(m):
+                        T.call_extern("handle", "dsv41c_stg128", R["ra"][3], u * m * row_bytes + j * row_bytes,
+                                      T.address_of(ol[j, 0]))
             for j in T.unroll(m):
                 T.call_extern("handle", "dsv41c_sts128", sm, L.b(buf, r, j, lane),
                               ol[j, 0], ol[j, 1], ol[j, 2], ol[j, 3])
@@ -1190,10 +1132,9 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
                 sq[0] = sq[0] + T.shfl_xor(sq[0], o)
             if lane == 0:
                 SQ[buf, r] = sq[0]
-        if _WG_RUNNING:
-            R["ra"][2] = R["ra"][2] + R["ra"][4]
-            if expand:
-                R["ra"][3] = R["ra"][3] + R["ra"][5]
+        R["ra"][2] = R["ra"][2] + R["ra"][4]
+        if expand:
+            R["ra"][3] = R["ra"][3] + R["ra"][5]
 
     @T.macro
     def epilogue(B, R, blk, buf, tx, bg):
@@ -1223,51 +1164,27 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
                 B["WS"][bg, blk * BLK + tx, mix] = SQ[buf, tx]
 
     @T.macro
-    def wait_empty(i, buf, sm):
-        """`_WG_MBAR`: before block i's stores into B tile buf and SQ, the GEMM warpgroup is done
-        with block i - 2 (empty[buf]'s completion number i // 2 - 1)."""
-        if _WG_MBAR:
-            if i >= 2:
-                T.call_extern("handle", "dsv41c_mbar_wait", sm, mb + 16 + 8 * buf, (i // 2 + 1) % 2)
-
-    @T.macro
-    def hand_over(buf, sm):
-        """`_WG_MBAR`: this thread's stores of B tile buf, its squares and its warp's next
-        coefficients are done (full[buf]); the default meets at the CTA's barrier instead."""
-        if _WG_MBAR:
-            T.call_extern("handle", "dsv41c_mbar_arrive", sm, mb + 8 * buf)
-        else:
-            T.sync_threads(1, nth)  # B tile i written; the wgmma of block i - 1 done
-
-    @T.macro
-    def stream_block(B, V, R, i, blk, nb, PV, xs, cv, q, lane, cw, tx, sm, si=None):
+    def stream_block(B, R, i, blk, nb, PV, X, cv, q, lane, tx, sm, si):
         """Block number i (blk) of the CTA's blocks, by the streaming warps: up to the B tile's
-        stores and the next block's coefficients stashed.  With one block in flight, xs is
-        (xl, xn): the next block's streams in xn are copied to xl, and the block after loads
-        into xn.  With register sets (si not None), xs is X: block i's streams are in set si,
-        and block i + AH's go into set (si + AH) % (AH + 1), the one block i - 1 was computed
-        from."""
+        stores and the next block's coefficients stashed.  Block i's streams are in register set
+        si of X, and block i + AH's go into set (si + AH) % (AH + 1), the one block i - 1 was
+        computed from.  The B tile and SQ are handed to the GEMM warpgroup through mbarriers, so
+        no streaming warp waits for another: before block i's stores into B tile buf and SQ, the
+        GEMM warpgroup is done with block i - 2 (empty[buf]'s completion number i // 2 - 1); after
+        them, and after its warp's next coefficients are stashed, each thread arrives at
+        full[buf]."""
         buf = i % 2
-        if si is None:
-            xl, xn = xs
-            for u in T.unroll(TPW):
-                for j in rows:
-                    for w in T.unroll(4):
-                        xl[u, j, w] = xn[u, j, w]
-            if i + 1 < nb:
-                load_streams(V, xn, blk + PV, q, cw, None, R["ra"])
-                fetch_coefs(B, cv, blk + PV, tx)
-        else:
-            if i + AH < nb:
-                load_streams(V, xs, blk + AH * PV, q, cw, (si + AH) % (AH + 1), R["ra"])
-            if i + 1 < nb:
-                fetch_coefs(B, cv, blk + PV, tx)
-        wait_empty(i, buf, sm)
+        if i + AH < nb:
+            load_streams(X, blk + AH * PV, q, (si + AH) % (AH + 1), R["ra"])
+        if i + 1 < nb:
+            fetch_coefs(B, cv, blk + PV, tx)
+        if i >= 2:
+            T.call_extern("handle", "dsv41c_mbar_wait", sm, mb + 16 + 8 * buf, (i // 2 + 1) % 2)
         # (no name bound to the buffer: the script parser would rename it in the CUDA source)
-        compute(V, R, blk, buf, xs[0] if si is None else xs, q, lane, cw, sm, si)
+        compute(R, blk, buf, X, q, lane, sm, si)
         T.call_extern("handle", "dsv41c_fence_async")  # the B tile's stores, for the wgmma
         stash_coefs(R["Cos"], 1 - buf, cv, tx)
-        hand_over(buf, sm)
+        T.call_extern("handle", "dsv41c_mbar_arrive", sm, mb + 8 * buf)
 
     @T.macro
     def issue(R, buf, sm):
@@ -1285,17 +1202,12 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
     def body(B):
         with T.Kernel(G, T.min(T.ceildiv(N, BLK), pmax), threads=nth, prelude=prelude) as (bg, bp):
             tx = T.get_thread_binding()
-            V = {n: T.view(B[n], (N, *B[n].shape[1:-1], D // 2), "uint32") for n in names if n in _STREAMS}
-            SMB = T.alloc_shared((L.smem // 4 + (8 if _WG_MBAR else 0),), "uint32")
+            SMB = T.alloc_shared((L.smem // 4 + 8,), "uint32")  # + the four mbarriers
             Cos = T.alloc_shared((2, BLK, ncf), "float32")
             SQ = T.alloc_shared((2, BLK), "float32")
             fv = T.alloc_local((4,), "float32")
             hp = T.alloc_local((4,), "float32")
-            if one_set:
-                xl = T.alloc_local((TPW, len(rows), 4), "uint32")
-                xn = T.alloc_local((TPW, len(rows), 4), "uint32")
-            else:  # register sets, one per block in flight and one computed
-                X = T.alloc_local((AH + 1, TPW, len(rows), 4), "uint32")
+            X = T.alloc_local((AH + 1, TPW, len(rows), 4), "uint32")  # a set per block in flight, and one computed
             ol = T.alloc_local((m, 4), "uint32")
             xo = T.alloc_local((4,), "uint32")
             hf = T.alloc_local((m, 2), "float32")
@@ -1305,10 +1217,10 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
             cv = T.alloc_local((ncv,), "float32")
             acc = T.alloc_local((KS * nacc,), "float32")
             tot = T.alloc_local((BLK // 4,), "float32")
-            # `_WG_RUNNING`: the next block's load addresses (streams, y), this block's store addresses
-            # (x, h_new), at the warp's first token and the lane's first word; the bytes one token row
-            # of x (and m rows) moves over a step of the CTA's blocks
-            ra = T.alloc_local((6,), "uint64") if _WG_RUNNING else None
+            # the next block's load addresses (streams, y), this block's store addresses (x, h_new),
+            # at the warp's first token and the lane's first word; the bytes one token row of x (and
+            # m rows) moves over a step of the CTA's blocks
+            ra = T.alloc_local((6,), "uint64")
             for k in T.unroll(KS * nacc):
                 acc[k] = T.float32(0)
             # the thread's warpgroup, as a value ptxas knows is warp-uniform: the wgmma and their
@@ -1344,59 +1256,47 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
             cw = bg * (W // 2) + lane * 4  # the lane's first word of each row
             R = {"Cos": Cos, "SQ": SQ, "ol": ol, "xo": xo, "hf": hf, "xf": xf, "hv": hv, "sq": sq, "acc": acc,
                  "tot": tot, "ra": ra}
-            if _WG_RUNNING:
-                t0 = bp * BLK + q * TPW
-                # (byte offsets from each buffer's base: token t0, the lane's first word cw of 4 bytes;
-                # seeing no store to x or h_new, TileLang declares them const: they are stored by PTX)
-                tb = T.Cast("uint64", t0) * T.uint64(row_bytes)
-                cb = T.Cast("uint64", cw * 4)
-                ra[0] = T.call_extern("uint64", "dsv41c_addr", B[src].data) + tb * T.uint64(m) + cb
-                ra[2] = T.call_extern("uint64", "dsv41c_addr", B["X"].data) + tb + cb
-                if expand:
-                    ra[1] = T.call_extern("uint64", "dsv41c_addr", B["Y"].data) + tb + cb
-                    ra[3] = T.call_extern("uint64", "dsv41c_addr", B["HN"].data) + tb * T.uint64(m) + cb
-                ra[4] = T.Cast("uint64", PV) * T.uint64(BLK * row_bytes)
-                ra[5] = ra[4] * T.uint64(m)
+            t0 = bp * BLK + q * TPW
+            # (byte offsets from each buffer's base: token t0, the lane's first word cw of 4 bytes;
+            # seeing no store to x or h_new, TileLang declares them const: they are stored by PTX)
+            tb = T.Cast("uint64", t0) * T.uint64(row_bytes)
+            cb = T.Cast("uint64", cw * 4)
+            ra[0] = T.call_extern("uint64", "dsv41c_addr", B[src].data) + tb * T.uint64(m) + cb
+            ra[2] = T.call_extern("uint64", "dsv41c_addr", B["X"].data) + tb + cb
+            if expand:
+                ra[1] = T.call_extern("uint64", "dsv41c_addr", B["Y"].data) + tb + cb
+                ra[3] = T.call_extern("uint64", "dsv41c_addr", B["HN"].data) + tb * T.uint64(m) + cb
+            ra[4] = T.Cast("uint64", PV) * T.uint64(BLK * row_bytes)
+            ra[5] = ra[4] * T.uint64(m)
             if tx < nst:
                 fetch_coefs(B, cv, bp, tx)
                 stash_coefs(Cos, 0, cv, tx)
-                if one_set:
-                    load_streams(V, xn, bp, q, cw, None, ra)
-                else:
-                    for k in sets[:-1]:
-                        load_streams(V, X, bp + k * PV, q, cw, k, ra)
-            if _WG_MBAR:
-                if tx == 0:
-                    for b in range(2):
-                        T.call_extern("handle", "dsv41c_mbar_init", sm, mb + 8 * b, nst)
-                        T.call_extern("handle", "dsv41c_mbar_init", sm, mb + 16 + 8 * b, 128)
+                for k in sets[:-1]:
+                    load_streams(X, bp + k * PV, q, k, ra)
+            if tx == 0:
+                for b in range(2):
+                    T.call_extern("handle", "dsv41c_mbar_init", sm, mb + 8 * b, nst)
+                    T.call_extern("handle", "dsv41c_mbar_init", sm, mb + 16 + 8 * b, 128)
             T.call_extern("handle", "dsv41c_fence_async")
             T.sync_threads()  # fn^T in place; the first block's coefficients
             if wg == gw:  # the GEMM warpgroup: each block's wgmma, as soon as its B tile is written
                 if r_st > r0:
                     T.call_extern("handle", f"dsv41c_setmaxnreg_dec{_WG_GEMM_REGS}")
                 for i in T.serial(nb):
-                    if _WG_MBAR:  # block i's B tile, squares: full[i % 2]'s completion number i // 2
-                        T.call_extern("handle", "dsv41c_mbar_wait", sm, mb + 8 * (i % 2), i // 2 % 2)
-                    else:
-                        T.sync_threads(1, nth)
+                    # block i's B tile, squares: full[i % 2]'s completion number i // 2
+                    T.call_extern("handle", "dsv41c_mbar_wait", sm, mb + 8 * (i % 2), i // 2 % 2)
                     issue(R, i % 2, sm)
                     T.call_extern("handle", "dsv41c_wgmma_wait")
                     epilogue(B, R, bp + i * PV, i % 2, tx - 128 * gw, bg)
-                    if _WG_MBAR:
-                        T.call_extern("handle", "dsv41c_mbar_arrive", sm, mb + 16 + 8 * (i % 2))
+                    T.call_extern("handle", "dsv41c_mbar_arrive", sm, mb + 16 + 8 * (i % 2))
             else:
                 if r_st > r0:
                     T.call_extern("handle", f"dsv41c_setmaxnreg_inc{r_st}")
-                if one_set:
-                    for i in T.serial(nb):
-                        stream_block(B, V, R, i, bp + i * PV, nb, PV, (xl, xn), cv, q, lane, cw, tx, sm)
-                else:  # unrolled by the number of register sets, so each block's set is static
-                    for i3 in T.serial(T.ceildiv(nb, AH + 1)):
-                        for si in sets:
-                            if i3 * (AH + 1) + si < nb:
-                                stream_block(B, V, R, i3 * (AH + 1) + si, bp + (i3 * (AH + 1) + si) * PV, nb,
-                                             PV, X, cv, q, lane, cw, tx, sm, si)
+                for i3 in T.serial(T.ceildiv(nb, AH + 1)):  # unrolled by the sets: each block's set is static
+                    for si in sets:
+                        if i3 * (AH + 1) + si < nb:
+                            stream_block(B, R, i3 * (AH + 1) + si, bp + (i3 * (AH + 1) + si) * PV, nb, PV, X, cv,
+                                         q, lane, tx, sm, si)
 
     return names, _prim_func(names, S, body).with_attr(NO_SYNC_ATTR, 1)
 
