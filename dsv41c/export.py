@@ -48,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import importlib
 import json
 import os
 import shutil
@@ -521,21 +522,22 @@ def export(model: Transformer, out: str | os.PathLike, passes: Sequence[str] | N
         custom_ops: set[str] = set()
         uuid = build_pipeline(names, strict).uuid()
         pending = list(specs)
-        while pending:
-            spec = pending.pop(0)
-            stage(f"torch.export of {spec.file}")
-            with torch.no_grad():
-                ep, (spec.lo, spec.hi) = _export_program(model, spec, caches, max_prompt_len)
-            stage(f"AOTInductor compile of {spec.file}")
-            with pipeline_installed(model, names, strict) as (pipeline, options), unwrapped():
-                spec.constants = compile_package(ep, tmp / spec.file, {**options, **WEIGHTS_OUTSIDE}, weights)
-            spec.pass_matches = {s.name: s.matches for s in pipeline.stats.values()}
-            spec.code_sha256 = code_digest(tmp / spec.file)
-            custom_ops |= set(_custom_ops(tmp / spec.file))
-            if short_prompts and spec.phase == "decode" and not spec.static:   # its range is known now
-                steps = short_step_specs(spec.lo)
-                specs += steps
-                pending += steps
+        with export_leftovers_dropped():
+            while pending:
+                spec = pending.pop(0)
+                stage(f"torch.export of {spec.file}")
+                with torch.no_grad():
+                    ep, (spec.lo, spec.hi) = _export_program(model, spec, caches, max_prompt_len)
+                stage(f"AOTInductor compile of {spec.file}")
+                with pipeline_installed(model, names, strict) as (pipeline, options), unwrapped():
+                    spec.constants = compile_package(ep, tmp / spec.file, {**options, **WEIGHTS_OUTSIDE}, weights)
+                spec.pass_matches = {s.name: s.matches for s in pipeline.stats.values()}
+                spec.code_sha256 = code_digest(tmp / spec.file)
+                custom_ops |= set(_custom_ops(tmp / spec.file))
+                if short_prompts and spec.phase == "decode" and not spec.static:   # its range is known now
+                    steps = short_step_specs(spec.lo)
+                    specs += steps
+                    pending += steps
         del ep, caches  # device copies of the weights and caches, not needed by the check
         stage(f"writing {WEIGHTS_FILE}, the tokenizer and the manifest")
         safetensors.torch.save_file(weights.tensors, str(tmp / WEIGHTS_FILE))
@@ -632,6 +634,28 @@ def check_bound(model: Transformer, passes: Sequence[str]) -> float:
     if model.dtype == torch.bfloat16:
         return BF16_CHECK_BOUND
     return QUANT_RUNNER_BOUND if "fp4_kv" in passes else RUNNER_BOUND
+
+
+@contextlib.contextmanager
+def export_leftovers_dropped():
+    """What strict torch.export leaves behind in torch's module globals, dropped when the block
+    ends (torch 2.11): the graph capture installs each captured graph's callable as a
+    `__compiled_fn_*` global of `torch._dynamo.functional_export` and does not remove it, and the
+    tracer's fake-tensor-to-node map (`_FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT`, cleared when a
+    trace starts) keeps the last trace's nodes. Both reach the traced modules, whose parameters and
+    buffers are the model's own tensors: left there, they keep the model's device memory alive
+    after `off_the_device` has moved the model to the host. (On the CPU this frees every one of
+    the model's storages, `tests/test_export.py`; on an H200 some are still held by something
+    else, found when the GPU test failed: 37 of 91 on the test cut.)"""
+    from torch.fx.experimental import proxy_tensor
+    scope = vars(importlib.import_module("torch._dynamo.functional_export"))
+    before = set(scope)
+    try:
+        yield
+    finally:
+        for name in [n for n in scope if n not in before and n.startswith("__compiled_fn")]:
+            del scope[name]
+        proxy_tensor._FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT.clear()
 
 
 @contextlib.contextmanager

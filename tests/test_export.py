@@ -6,6 +6,7 @@ module's time. Loading runs in a fresh subprocess, as a deployment would: no mod
 but the kernels' op registration.
 """
 import contextlib
+import gc
 import hashlib
 import importlib
 import json
@@ -68,11 +69,15 @@ def exported(tmp_path_factory):
     steps below the decode program's range (`short_prompts`): positions 0..3 on this cut."""
     model = dsv41c.build_model(cut_args(), seed=0)
     stages = []
-    with warnings.catch_warnings(record=True) as caught:
+    held = {}
+    with warnings.catch_warnings(record=True) as caught, held_elsewhere_at_the_check(model, held):
         warnings.simplefilter("always")
         out = dsv41c.export(model, tmp_path_factory.mktemp("export") / "artifact", DEFAULT_PASSES, strict=True,
                             max_prompt_len=MAX_PROMPT, short_prompts=True, source={"seed": 0},
                             on_stage=stages.append)
+    # nothing but the model holds its weights while the artifact is checked (on a GPU the model then
+    # waits on the host, and the memory would stay taken: the GPU test below)
+    assert held["storages"] and not held["alive"], held
     # the steps' cache swap is not reported as a side effect to double-check (`_export_program`)
     assert not [w for w in caught if "side effects" in str(w.message)], [str(w.message)[:200] for w in caught]
     assert stages[:4] == ["torch.export of prefill.pt2", "AOTInductor compile of prefill.pt2",
@@ -81,6 +86,30 @@ def exported(tmp_path_factory):
                             for what in ("torch.export", "AOTInductor compile")], stages
     assert stages[-2].startswith("writing") and stages[-1].startswith("checking the artifact"), stages
     return model, out
+
+
+@contextlib.contextmanager
+def held_elsewhere_at_the_check(model, found: dict):
+    """While the block runs an export of `model`: at the moment the check's fresh process would
+    start, found["alive"] names the model's floating-point parameters and buffers (as built) whose
+    storage something other than the model still holds. Measured by giving the model new storages
+    (fp64 and back: exact) and seeing which old ones outlive it, through storage weak references."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    run = export_module.run_check_process
+    refs = {n: StorageWeakRef(t.untyped_storage()) for n, t in [*model.named_parameters(), *model.named_buffers()]
+            if t.is_floating_point()}
+
+    def measured_run(*args):
+        dtype = model.dtype
+        model.to(torch.float64)
+        gc.collect()
+        found.update(storages=len(refs), alive=[n for n, r in refs.items() if not r.expired()])
+        model.to(dtype)
+        return run(*args)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(export_module, "run_check_process", measured_run)
+        yield
 
 
 def failure_text(stderr: str) -> str:

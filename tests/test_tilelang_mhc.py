@@ -26,7 +26,6 @@ import secrets
 
 import pytest
 import torch
-from conftest import bf16_ulp
 from dsv41c.tilelang_kernels import mhc as K
 
 from dsv41c import mhc
