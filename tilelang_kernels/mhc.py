@@ -1040,8 +1040,8 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
 
     @T.macro
     def load_streams(X, blk, q, si, ra):
-        """The warp's tokens of block blk, words cw .. cw + 3 of each row, into register set si of
-        X, from the running load addresses ra[0] (the streams) and ra[1] (y) at block blk, which
+        """The warp's tokens of block blk, the lane's four words of each row, into register set si
+        of X, from the running load addresses ra[0] (the streams) and ra[1] (y) at block blk, which
         then step to the next.  A token past N is not loaded: it keeps stale words, but its h_new,
         x, column of the B tile and mixes are never stored, and a GEMM column depends on its own
         token alone."""
