@@ -638,24 +638,42 @@ def check_bound(model: Transformer, passes: Sequence[str]) -> float:
 
 @contextlib.contextmanager
 def export_leftovers_dropped():
-    """What strict torch.export leaves behind in torch's module globals, dropped when the block
-    ends (torch 2.11): the graph capture installs each captured graph's callable as a
-    `__compiled_fn_*` global of `torch._dynamo.functional_export` and does not remove it, and the
-    tracer's fake-tensor-to-node map (`_FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT`, cleared when a
-    trace starts) keeps the last trace's nodes. Both reach the traced modules, whose parameters and
-    buffers are the model's own tensors: left there, they keep the model's device memory alive
-    after `off_the_device` has moved the model to the host. (On the CPU this frees every one of
-    the model's storages, `tests/test_export.py`; on an H200 some are still held by something
-    else, found when the GPU test failed: 37 of 91 on the test cut.)"""
+    """What an export leaves behind in torch's module state, dropped when the block ends (torch
+    2.11). Each piece reaches the traced modules or the compiled graph's constants, which are the
+    model's own tensors: left there, they keep the model's device memory alive after
+    `off_the_device` has moved the model to the host.
+    - Strict torch.export's graph capture installs each captured graph's callable as a
+      `__compiled_fn_*` global of `torch._dynamo.functional_export` and does not remove it.
+    - The tracer's fake-tensor-to-node map (`_FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT`, cleared
+      when a trace starts) keeps the last trace's nodes.
+    - On a GPU, AOTInductor compiles in two passes: the first loads a Python wrapper module, with
+      the graph's constants as its attributes, and runs it to tune the Triton kernels. Inductor
+      keeps that module in `sys.modules` and in `PyCodeCache.modules`.
+    With all three dropped, nothing else holds the model's storages at the check (tested on the
+    CPU, and on an H200 by the GPU test)."""
+    from torch._inductor.codecache import PyCodeCache
+    from torch._inductor.runtime.compile_tasks import _reload_python_module
     from torch.fx.experimental import proxy_tensor
+    loaded = _reload_python_module.__module__ + "."     # the names Inductor gives the modules it loads
     scope = vars(importlib.import_module("torch._dynamo.functional_export"))
     before = set(scope)
+    modules_before = set(sys.modules)
     try:
         yield
     finally:
         for name in [n for n in scope if n not in before and n.startswith("__compiled_fn")]:
             del scope[name]
         proxy_tensor._FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT.clear()
+        wrappers = [m for n, m in list(sys.modules.items())
+                    if n not in modules_before and n.startswith(loaded) and _holds_tensors(m)]
+        for mod in wrappers:
+            del sys.modules[mod.__name__]
+        PyCodeCache.modules[:] = [m for m in PyCodeCache.modules if all(m is not w for w in wrappers)]
+
+
+def _holds_tensors(module) -> bool:
+    """Whether a module's globals hold a tensor (Inductor's wrapper modules hold the constants)."""
+    return any(isinstance(v, torch.Tensor) for v in vars(module).values())
 
 
 @contextlib.contextmanager

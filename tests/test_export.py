@@ -784,6 +784,33 @@ def test_a_cuda_export_frees_the_models_device_memory_while_the_artifact_is_chec
     assert generate(model, ids, NEW_TOKENS).new_ids == before
 
 
+def test_inductors_wrapper_modules_loaded_during_an_export_are_dropped(tmp_path):
+    """On a GPU, AOTInductor's first pass loads a Python wrapper with the graph's constants as
+    attributes (`GraphLowering.compile_to_module`), and Inductor keeps it in `sys.modules` and
+    `PyCodeCache.modules`. Loaded the same way inside `export_leftovers_dropped`, such a module and
+    the storage it holds are gone when the block ends; one loaded before the block stays."""
+    from torch._inductor.codecache import PyCodeCache
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    def load(key: str, constant: torch.Tensor):
+        path = tmp_path / f"{key}.py"
+        path.write_text("def call(args):\n    return args\n")
+        return PyCodeCache.load_by_key_path(key, str(path), attrs={"constant0": constant})
+
+    kept = load("kept", torch.ones(3))
+    held = torch.arange(5.0)
+    ref = StorageWeakRef(held.untyped_storage())
+    with export_module.export_leftovers_dropped():
+        name = load("dropped", held).__name__
+        assert name in sys.modules
+    del held
+    gc.collect()
+    assert ref.expired() and name not in sys.modules and all(m.__name__ != name for m in PyCodeCache.modules)
+    assert sys.modules[kept.__name__] is kept and any(m is kept for m in PyCodeCache.modules)
+    del sys.modules[kept.__name__]
+    PyCodeCache.modules.remove(kept)
+
+
 def test_off_the_device_leaves_a_cpu_model_in_place():
     """On the CPU there is no device memory to free: the model is not moved."""
     model = dsv41c.build_model(cut_args(), seed=0)
