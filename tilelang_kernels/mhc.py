@@ -37,7 +37,7 @@ CUDA (sm_90a: wgmma needs the arch-specific target).
      for every token it sees; streaming warps move the streams global -> registers -> global with
      the flat kernel's 512-byte row pieces and write h_new into a shared B tile per 16-token
      block, and a warpgroup of its own runs the block's wgmma behind them.  On an H200, in a CUDA
-     graph: post_pre 69-70% / 76-79% of the bound at T = 4096 / 65536, pre 51-54% / 65-66%; T = 1
+     graph: post_pre 67-72% / 81% of the bound at T = 4096 / 65536, pre 55-57% / 67-70%; T = 1
      takes 13 / 12 us for the two launches (BENCHMARKS.md).  (Removed, each timed slower: a
      register-operand mma.sync kernel with the same resident slice in three pieces, 60-61% /
      65-67% and 47-50% / 59-62%, commit 63e6af9; a TMA ring with streaming warpgroups and a
