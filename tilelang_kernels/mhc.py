@@ -80,6 +80,7 @@ import functools
 from types import SimpleNamespace
 
 import tilelang.cpu.language as TC
+import tilelang.cuda.language as TCU
 import tilelang.language as T
 import torch
 from dsv41c.tilelang_kernels.quant import (
@@ -116,6 +117,8 @@ _STAGES = 2  # CUDA mixing kernels: chunks of streams in shared memory (the pipe
 _CTAS_PER_SM = 2  # CUDA: resident mixes CTAs per H200 SM (shared memory: 86 KB each at 2 stages)
 _CR_W = 256  # CUDA column-resident mixing kernel: columns of each stream per CTA (fn's slice stays in
 #               shared memory): 8 per lane, so one warp-wide 16-byte access covers them
+_PDL = False  # temporary switch: the finalize launched programmatically after the mixing kernel
+_FIN_STATIC = False  # temporary switch: the finalize's K fixed at build for the column-resident kernel
 _CR_WAVES = 2  # CUDA column-resident mixing kernel: at most this many waves of CTAs (at one per SM)
 _SMS = 132  # H200 SMs
 # CUDA mixing kernel for bf16 streams (`_cuda_wg_prim_func`, timed on an H200, BENCHMARKS.md "mHC
@@ -367,11 +370,10 @@ def mhc_prim_funcs(kind, dtype, m, D, norm_eps, hc_eps, iters, target):
     if kind == "post_collapse":
         return [_cuda_stream_prim_func(dtype, m, D)]
     if column_resident(kind, dtype, D):
-        main = _cuda_wg_prim_func(kind, m, D)
+        main, splits = _cuda_wg_prim_func(kind, m, D), (D // _CR_W if _FIN_STATIC else None)
     else:
-        main = _cuda_mixes_prim_func(kind, dtype, m, D)
-    return [main,
-            _cuda_finalize_prim_func(m, D, norm_eps, hc_eps, iters)]
+        main, splits = _cuda_mixes_prim_func(kind, dtype, m, D), None
+    return [main, _cuda_finalize_prim_func(m, D, norm_eps, hc_eps, iters, splits)]
 
 
 @functools.cache
@@ -706,6 +708,8 @@ def _cuda_mixes_prim_func(kind, dtype, m, D):
         # pieces of each row, K * 64 contiguous bytes, instead of 64 bytes 10 KB apart.
         with T.Kernel(splits, T.ceildiv(N, TB), threads=_MIX_THREADS) as (bk, bt):
             tx = T.get_thread_binding()
+            if _PDL:
+                TCU.pdl_trigger()  # the finalize kernel may launch once every CTA of this one has started
             # the chunks' streams in _STAGES stages; token stride (m + 1) * DC values for every kind
             # (bf16: 320 B) keeps the 16-byte accesses of 8 lanes (two tokens) on distinct banks
             St = T.alloc_shared((_STAGES, TB, m + 1, DC), dtype)
@@ -1202,6 +1206,8 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
     def body(B):
         with T.Kernel(G, T.min(T.ceildiv(N, BLK), pmax), threads=nth, prelude=prelude) as (bg, bp):
             tx = T.get_thread_binding()
+            if _PDL:
+                TCU.pdl_trigger()  # the finalize kernel may launch once every CTA of this one has started
             SMB = T.alloc_shared((L.smem // 4 + 8,), "uint32")  # + the four mbarriers
             Cos = T.alloc_shared((2, BLK, ncf), "float32")
             SQ = T.alloc_shared((2, BLK), "float32")
@@ -1301,14 +1307,16 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
     return names, _prim_func(names, S, body).with_attr(NO_SYNC_ATTR, 1)
 
 
-def _cuda_finalize_prim_func(m, D, norm_eps, hc_eps, iters):
+def _cuda_finalize_prim_func(m, D, norm_eps, hc_eps, iters, splits=None):
     """A group of G lanes per token (module docstring, CUDA step 2): lane l = i * mp + j holds
     comb entry (i, j) (mp = m rounded up to a power of two; lanes with i or j >= m hold 0), so a
     row sum is a butterfly over the j bits of the lane and a column sum over the i bits; lanes
     0 .. 2m-1 also hold pre and post, lane 2m the sum of squares."""
     names = _PARAMS["finalize", "main"]
-    splits = T.dynamic("K")
+    fixed = splits is not None
+    splits = splits if fixed else T.dynamic("K")
     S, N = _buffers(names, "float32", m, D, splits)
+    ks = functools.partial(T.unroll, 1, splits) if fixed else functools.partial(T.serial, 1, splits)
     mix = 2 * m + m * m
     mp = 1 << (m - 1).bit_length()
     G = max(mp * mp, 1 << (2 * m).bit_length())  # lanes per token: the comb entries and 2m + 1
@@ -1321,6 +1329,8 @@ def _cuda_finalize_prim_func(m, D, norm_eps, hc_eps, iters):
     def body(B):
         with T.Kernel(T.ceildiv(N * G, threads), threads=threads) as bx:
             tx = T.get_thread_binding()
+            if _PDL:
+                TCU.pdl_sync()  # launched early (programmatic launch): wait for the mixing kernel's workspace
             t = bx * (threads // G) + tx // G
             ln = tx % G
             i, j = ln // mp, ln % mp
@@ -1339,11 +1349,11 @@ def _cuda_finalize_prim_func(m, D, norm_eps, hc_eps, iters):
             if t < N:
                 if ok:
                     a = B["WS"][0, t, 2 * m + i * m + j]
-                    for k in T.serial(1, splits):
+                    for k in ks():
                         a = a + B["WS"][k, t, 2 * m + i * m + j]
                 if ln <= 2 * m:
                     b = B["WS"][0, t, q]
-                    for k in T.serial(1, splits):
+                    for k in ks():
                         b = b + B["WS"][k, t, q]
             r = T.float32(1) / T.sqrt(T.shfl_sync(b, 2 * m, G) / T.float32(m * D) + _f32_const(norm_eps))
             if t < N:

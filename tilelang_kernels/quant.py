@@ -568,6 +568,41 @@ NO_GUARD_ATTR = "dsv41c.no_safe_memory_access"
 C_FLAGS = ["-O3", "-ffp-contract=off"]
 
 
+PDL_TAG = "tirx.use_programtic_dependent_launch"  # TVM's launch tag (its spelling) for a PDL launch
+
+
+def _programmatic_launch_marked(lower_launch):
+    """TileLang's `LowerDeviceKernelLaunch` pass followed by one that adds `PDL_TAG` to the launch
+    parameters of every kernel that calls `pdl_sync` (TileLang marks those `has_cuda_pdl_sync`).
+    TileLang 0.1.15 emits `cudaGridDependencySynchronize()` for `pdl_sync`, but its TVM-FFI path
+    launches every kernel without the programmatic-serialization attribute, and without it the
+    wait is a no-op and the launch is an ordinary stream-ordered one. With the tag, TVM's CUDA
+    runtime launches the kernel through `cuLaunchKernelEx` with that attribute: its CTAs may start
+    while the previous kernel on the stream finishes, and wait at `pdl_sync` until it has completed
+    and its writes are visible."""
+    import tvm
+
+    def marked():
+        @tvm.transform.module_pass(opt_level=0, name="dsv41c.MarkProgrammaticLaunch")
+        def mark(mod, _ctx):
+            for gv, f in list(mod.functions.items()):
+                attrs = getattr(f, "attrs", None)
+                if attrs is None or "has_cuda_pdl_sync" not in attrs or "tirx.kernel_launch_params" not in attrs:
+                    continue
+                tags = [str(t) for t in attrs["tirx.kernel_launch_params"]]
+                if PDL_TAG not in tags:  # before the dynamic shared memory tag, which must be last
+                    at = len(tags) - (tags[-1:] == ["tirx.use_dyn_shared_memory"])
+                    mod[gv] = f.with_attr("tirx.kernel_launch_params", tags[:at] + [PDL_TAG] + tags[at:])
+            return mod
+        return tvm.transform.Sequential([lower_launch(), mark])
+    marked.wrapped = lower_launch
+    return marked
+
+
+if not hasattr(tilelang.transform.LowerDeviceKernelLaunch, "wrapped"):  # once per process
+    tilelang.transform.LowerDeviceKernelLaunch = _programmatic_launch_marked(tilelang.transform.LowerDeviceKernelLaunch)
+
+
 def compile_for(fn, target: str):
     """tilelang.compile of a prim_func for target "c" (CPU) or "cuda[:sm_XX[a]]", without fast math
     (the kernels' exactness arguments assume IEEE fp32 operations), as a `Launcher`. Shared by every
