@@ -372,24 +372,21 @@ def test_cuda_build_lowers_for_sm90a(kind, split, tmp_path):
     assert re.search(r"\b0 bytes spill stores", out.stderr), out.stderr[-2000:]
 
 
-@pytest.mark.parametrize("pdl", [False, True])
-def test_combine_launch_for_sm90a(pdl, monkeypatch):
-    """Without a GPU: with `_PDL` the combine kernel is launched programmatically (the tag in its
-    launch parameters) and waits for the split kernel's partials before it reads any; without it,
-    neither. (The split kernel's trigger: the GPU test below, whose build lowers it.)"""
+def test_combine_launch_for_sm90a():
+    """Without a GPU: the combine kernel is launched programmatically (the tag in its launch
+    parameters) and waits for the split kernel's partials before it reads any. (The split
+    kernel's trigger: the GPU tests, whose builds lower it.)"""
     import tilelang
     from dsv41c.tilelang_kernels.quant import PDL_TAG, cuda_pass_configs
 
-    monkeypatch.setattr(A, "_PDL", pdl)
     fn = A.combine_prim_func(64, 512)
     tgt = {"kind": "cuda", "arch": "sm_90a"}
     with tilelang.tvm.transform.PassContext(config=cuda_pass_configs(fn)), tilelang.tvm.target.Target(tgt):
         art = tilelang.lower(fn, target=tgt)
     tags = [str(t) for f in art.device_mod.functions.values() for t in f.attrs["tirx.kernel_launch_params"]]
     body = art.kernel_source[art.kernel_source.index("__global__ void"):]
-    assert (PDL_TAG in tags) == pdl and body.count("cudaGridDependencySynchronize();") == pdl
-    if pdl:
-        assert body.index("cudaGridDependencySynchronize();") < body.index("MP[")
+    assert PDL_TAG in tags and body.count("cudaGridDependencySynchronize();") == 1
+    assert body.index("cudaGridDependencySynchronize();") < body.index("MP[")
 
 
 def test_num_splits():
@@ -468,20 +465,6 @@ def test_sparse_attn_packed_released_dims_gpu(batch, topk):
     assert batch == 1 or (out[-1] == 0).all(), f"seed {seed}: a query with no valid entry must return 0"
     plain = A.sparse_attn(q, rows, sink, idx, scale)
     assert torch.equal(plain, out), f"seed {seed}: the plain and packed kernels read the same rows"
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_sparse_attn_packed_other_launch_gpu(monkeypatch):
-    """The split decode (b1, b32, b20) with `_PDL` flipped: the combine kernel launched the other
-    way (programmatically, or stream-ordered) gives the same checks."""
-    monkeypatch.setattr(A, "_PDL", not A._PDL)
-    A.build.cache_clear()  # builds are cached per key, which does not name the switch
-    try:
-        for batch, topk in ((1, 512), (32, 512), (20, 472)):
-            test_sparse_attn_packed_released_dims_gpu(batch, topk)
-    finally:
-        A.build.cache_clear()
 
 
 @pytest.mark.parametrize("s", [96, 3], ids=["whole", "split"])

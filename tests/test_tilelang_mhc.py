@@ -252,8 +252,7 @@ def test_cuda_build_lowers_for_sm90():
 # (the fifth: each op with the number of blocks in flight that the other has by default; the last:
 # 12 streaming warps)
 WG_TUNINGS = ({}, {"_WG_KSPLIT": 2}, {"_WG_TPW": 1}, {"_WG_BLK": 24, "_WG_TPW": 3},
-              {"_WG_AHEAD_PRE": 1, "_WG_AHEAD_POST_PRE": 2}, {"_WG_BLK": 24, "_WG_TPW": 2},
-              {"_PDL": not K._PDL, "_FIN_STATIC": not K._FIN_STATIC})
+              {"_WG_AHEAD_PRE": 1, "_WG_AHEAD_POST_PRE": 2}, {"_WG_BLK": 24, "_WG_TPW": 2})
 
 
 def _wg_tuning(monkeypatch, **tuning):
@@ -385,34 +384,33 @@ def test_cuda_post_collapse_lowers_for_sm90():
 
 # ----------------------------------------------------------------------------------- CUDA
 
-@pytest.mark.parametrize("pdl", (False, True))
-@pytest.mark.parametrize("static", (False, True))
-def test_cuda_finalize_lowers_for_sm90(pdl, static, monkeypatch):
-    """The finalize kernel of the column-resident ops: with `_FIN_STATIC` its sums over the column
-    groups are unrolled loops over a K fixed at build (D / 256 = 20 groups), else loops over the
-    workspace's dynamic leading dim; with `_PDL` the mixing kernel lets it launch early
-    (programmatic dependent launch: a trigger at the mixing kernel's start, the tag in the
-    finalize's launch parameters, and its wait before any workspace read)."""
+@pytest.mark.parametrize("dtype", ("bfloat16", "float32"))
+def test_cuda_finalize_lowers_for_sm90(dtype):
+    """The finalize kernel: after the column-resident mixing kernel (bf16 streams) its sums over the
+    column groups are unrolled loops over a K fixed at build (D / 256 = 20 groups); after the
+    other mixing kernel (fp32 streams, K picked per call) loops over the workspace's dynamic
+    leading dim. Either mixing kernel lets it launch early (programmatic dependent launch: a
+    trigger at the mixing kernel's start, the tag in the finalize's launch parameters, and its
+    wait before any workspace read)."""
     import tilelang
     from dsv41c.tilelang_kernels.quant import PDL_TAG, cuda_pass_configs
-    monkeypatch.setattr(K, "_PDL", pdl)
-    monkeypatch.setattr(K, "_FIN_STATIC", static)
+    static = K.column_resident("post_pre", dtype, 5120)
+    assert static == (dtype == "bfloat16")
     tgt = {"kind": "cuda", "arch": "sm_90a"}
-    (_, main), (_, fin) = K.mhc_prim_funcs("post_pre", "bfloat16", 4, 5120, *HC.values(), "cuda")
+    (_, main), (_, fin) = K.mhc_prim_funcs("post_pre", dtype, 4, 5120, *HC.values(), "cuda")
     arts = []
     for f in (main, fin):
         with tilelang.tvm.transform.PassContext(config=cuda_pass_configs(f)), tilelang.tvm.target.Target(tgt):
             arts.append(tilelang.lower(f, target=tgt))
     main_src, fin_src = (a.kernel_source for a in arts)
     tags = [str(t) for f in arts[1].device_mod.functions.values() for t in f.attrs["tirx.kernel_launch_params"]]
-    assert (PDL_TAG in tags) == pdl and PDL_TAG not in [
+    assert PDL_TAG in tags and PDL_TAG not in [
         str(t) for f in arts[0].device_mod.functions.values() for t in f.attrs["tirx.kernel_launch_params"]]
-    assert main_src.count("cudaTriggerProgrammaticLaunchCompletion();") == pdl
+    assert main_src.count("cudaTriggerProgrammaticLaunchCompletion();") == 1
     assert "cudaGridDependencySynchronize" not in main_src
     body = fin_src[fin_src.index("__global__ void"):]
-    assert body.count("cudaGridDependencySynchronize();") == pdl
-    if pdl:
-        assert body.index("cudaGridDependencySynchronize();") < body.index("WS[")
+    assert body.count("cudaGridDependencySynchronize();") == 1
+    assert body.index("cudaGridDependencySynchronize();") < body.index("WS[")
     assert body.count("for (int k") == 2 and body.count(" < 20; ++k") == 2 * static
     assert body.count("#pragma unroll") >= 2 * static
 

@@ -88,7 +88,6 @@ BLOCK = 64  # list entries per online-softmax step (§6.8)
 KINDS = ("plain", "packed_rows", "packed_fp8")  # kv rows; packed with a plain window; packed with an FP8 ring
 _CUDA_THREADS = 256  # 512 builds and runs (16 warps per SM, spilling at 128 registers) but was no faster
 _CUDA_HEADS = 64  # heads per CTA (one wgmma M)
-_PDL = False  # temporary switch: the combine kernel launched programmatically after the split kernel
 _NEG_BIG = -1e30
 
 
@@ -481,8 +480,7 @@ def _cuda_prim_func(kind, H, d, scale, split):
     def run(R):
         if split:
             with T.Kernel(NS, S, B * HG, threads=threads) as (bj, bs, bz):
-                if _PDL:
-                    TCU.pdl_trigger()  # the combine kernel may launch once every CTA of this one has started
+                TCU.pdl_trigger()  # the combine kernel may launch once every CTA of this one has started
                 attend(R, bj, bs, bz // HG, bz % HG)
         else:
             with T.Kernel(S, B, HG, threads=threads) as (bs, bb, bh):
@@ -527,8 +525,7 @@ def _combine_prim_func(H, d):
              LP: T.Tensor((B, S, NS, H), f32), SINK: T.Tensor((H,), f32), O: T.Tensor((B, S, H, d), "bfloat16")):
         with T.Kernel(H, S, B, threads=d // vec) as (h, bs, bb):
             tx = T.get_thread_binding()
-            if _PDL:
-                TCU.pdl_sync()  # launched early (programmatic launch): wait for the partials
+            TCU.pdl_sync()  # launched early (programmatic launch): wait for the partials
             acc = T.alloc_local((vec,), f32)
             part = T.alloc_local((unroll, vec), f32)
             w = T.alloc_local((unroll,), f32)

@@ -37,8 +37,10 @@ CUDA (sm_90a: wgmma needs the arch-specific target).
      for every token it sees; streaming warps move the streams global -> registers -> global with
      the flat kernel's 512-byte row pieces and write h_new into a shared B tile per 16-token
      block, and a warpgroup of its own runs the block's wgmma behind them.  On an H200, in a CUDA
-     graph: post_pre 67-72% / 81% of the bound at T = 4096 / 65536, pre 55-57% / 67-70%; T = 1
-     takes 13 / 12 us for the two launches (BENCHMARKS.md).  (Removed, each timed slower: a
+     graph: post_pre 67-72% / 81% of the bound at T = 4096 / 65536, pre 55-57% / 67-70%; on an
+     H100 (lower bandwidth) post_pre 79% / 86%, pre 68-70% / 83-84%; T = 1 takes 11.6 / 10.1 us
+     for the two launches on an H100 (13.7 / 11.9 before the finalize's programmatic launch and
+     fixed K; BENCHMARKS.md).  (Removed, each timed slower: a
      register-operand mma.sync kernel with the same resident slice in three pieces, 60-61% /
      65-67% and 47-50% / 59-62%, commit 63e6af9; a TMA ring with streaming warpgroups and a
      producer/GEMM warpgroup, 56% / 63% for post_pre: its ring read 128-byte pieces of rows 10 KB
@@ -71,7 +73,10 @@ CUDA (sm_90a: wgmma needs the arch-specific target).
   2. `finalize`: 16 lanes per token (m = 4), one comb entry each: each lane sums its coefficient's
      K partials in fixed order (lanes 0..2m-1 also pre/post, lane 2m the sum of squares), then
      rsqrt and sigmoids, and the Sinkhorn of §5.2 with the row and column sums as xor-shuffle
-     butterflies over the lane bits of j and of i.  Deterministic: no atomics.  (One thread per
+     butterflies over the lane bits of j and of i.  Deterministic: no atomics.  Launched
+     programmatically: the mixing kernel triggers at its start, so the finalize's launch overlaps
+     its tail, and the finalize waits (griddepcontrol) before it reads the workspace.  After the
+     column-resident kernel its K = D / 256 is fixed at build, so the K loops unroll.  (One thread per
      token, with the Sinkhorn's 39 normalisations serial in it, took 50 us at any T: ~99K cycles of
      dependent divisions, more than the main kernel at T = 1.)
 """
@@ -117,8 +122,6 @@ _STAGES = 2  # CUDA mixing kernels: chunks of streams in shared memory (the pipe
 _CTAS_PER_SM = 2  # CUDA: resident mixes CTAs per H200 SM (shared memory: 86 KB each at 2 stages)
 _CR_W = 256  # CUDA column-resident mixing kernel: columns of each stream per CTA (fn's slice stays in
 #               shared memory): 8 per lane, so one warp-wide 16-byte access covers them
-_PDL = False  # temporary switch: the finalize launched programmatically after the mixing kernel
-_FIN_STATIC = False  # temporary switch: the finalize's K fixed at build for the column-resident kernel
 _CR_WAVES = 2  # CUDA column-resident mixing kernel: at most this many waves of CTAs (at one per SM)
 _SMS = 132  # H200 SMs
 # CUDA mixing kernel for bf16 streams (`_cuda_wg_prim_func`, timed on an H200, BENCHMARKS.md "mHC
@@ -370,7 +373,7 @@ def mhc_prim_funcs(kind, dtype, m, D, norm_eps, hc_eps, iters, target):
     if kind == "post_collapse":
         return [_cuda_stream_prim_func(dtype, m, D)]
     if column_resident(kind, dtype, D):
-        main, splits = _cuda_wg_prim_func(kind, m, D), (D // _CR_W if _FIN_STATIC else None)
+        main, splits = _cuda_wg_prim_func(kind, m, D), D // _CR_W
     else:
         main, splits = _cuda_mixes_prim_func(kind, dtype, m, D), None
     return [main, _cuda_finalize_prim_func(m, D, norm_eps, hc_eps, iters, splits)]
@@ -708,8 +711,7 @@ def _cuda_mixes_prim_func(kind, dtype, m, D):
         # pieces of each row, K * 64 contiguous bytes, instead of 64 bytes 10 KB apart.
         with T.Kernel(splits, T.ceildiv(N, TB), threads=_MIX_THREADS) as (bk, bt):
             tx = T.get_thread_binding()
-            if _PDL:
-                TCU.pdl_trigger()  # the finalize kernel may launch once every CTA of this one has started
+            TCU.pdl_trigger()  # the finalize kernel may launch once every CTA of this one has started
             # the chunks' streams in _STAGES stages; token stride (m + 1) * DC values for every kind
             # (bf16: 320 B) keeps the 16-byte accesses of 8 lanes (two tokens) on distinct banks
             St = T.alloc_shared((_STAGES, TB, m + 1, DC), dtype)
@@ -1206,8 +1208,7 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
     def body(B):
         with T.Kernel(G, T.min(T.ceildiv(N, BLK), pmax), threads=nth, prelude=prelude) as (bg, bp):
             tx = T.get_thread_binding()
-            if _PDL:
-                TCU.pdl_trigger()  # the finalize kernel may launch once every CTA of this one has started
+            TCU.pdl_trigger()  # the finalize kernel may launch once every CTA of this one has started
             SMB = T.alloc_shared((L.smem // 4 + 8,), "uint32")  # + the four mbarriers
             Cos = T.alloc_shared((2, BLK, ncf), "float32")
             SQ = T.alloc_shared((2, BLK), "float32")
@@ -1329,8 +1330,7 @@ def _cuda_finalize_prim_func(m, D, norm_eps, hc_eps, iters, splits=None):
     def body(B):
         with T.Kernel(T.ceildiv(N * G, threads), threads=threads) as bx:
             tx = T.get_thread_binding()
-            if _PDL:
-                TCU.pdl_sync()  # launched early (programmatic launch): wait for the mixing kernel's workspace
+            TCU.pdl_sync()  # launched early (programmatic launch): wait for the mixing kernel's workspace
             t = bx * (threads // G) + tx // G
             ln = tx % G
             i, j = ln // mp, ln % mp
