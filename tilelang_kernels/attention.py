@@ -64,7 +64,9 @@ per group walks the whole list and writes o (the reference's rounding of p exact
 blocks per CTA that keep all CTAs in one wave (H200, H=64, K=640: batch 1 -> 10 CTAs of 1 block,
 batch 32 -> 4 CTAs of 3, 3, 3, 1 blocks), each writing its unnormalised acc [H, d], running max and
 sum in fp32; a second kernel merges them: M = max_j m_j, o = sum_j acc_j e^(m_j - M) /
-(sum_j l_j e^(m_j - M) + e^(sink - M)).  The split depends on the batch, so a sequence's output may
+(sum_j l_j e^(m_j - M) + e^(sink - M)).  That kernel is launched programmatically: the split kernel
+triggers at its start, so the merge's launch hides under its tail, and the merge waits
+(griddepcontrol) before it reads any partial.  The split depends on the batch, so a sequence's output may
 differ by the rounding above between batch sizes.  The packed builds need d a multiple of 128 (a
 window row's scales must fill a 4-byte cp.async).
 """
