@@ -138,12 +138,6 @@ _WG_GEMM_REGS = 88
 # post_pre from 76% to 65% (its three sets spill).
 _WG_AHEAD_PRE = 2
 _WG_AHEAD_POST_PRE = 1
-# CUDA mixing kernel for bf16 streams: B tiles in the ring between the streaming warps and the GEMM
-# warpgroup (so a streaming warp may run this many blocks ahead of the GEMM)
-_WG_BUFS = 2
-# CUDA mixing kernel for bf16 streams: 1 = the tight shared-memory layout (no alignment slack, fn^T's
-# last k block overlapping the first B tile, one coefficient buffer a warp), under 164 KB a CTA
-_WG_TIGHT = 0
 
 
 def column_resident(kind: str, dtype: str, D: int) -> bool:
@@ -849,38 +843,20 @@ __device__ __forceinline__ unsigned dsv41c_pack_bf16x2(float lo, float hi) {
 }
 """
 
-# CUDA mixing kernel for bf16 streams: cache hints of the streams' 16-byte accesses (timing
-# variants): loads 0 = ld.global.nc, 1 = .L1::no_allocate, 2 = .cs (streaming), 3 = .cg (L2 only);
-# stores 0 = st.global, 1 = .cs
-_WG_LD = 0
-_WG_ST = 0
-_LD_OPS = ("ld.global.nc", "ld.global.nc.L1::no_allocate", "ld.global.cs.nc", "ld.global.cg.nc")
-_ST_OPS = ("st.global", "st.global.cs")
-
-
-def _running_addrs(ld: int, st: int) -> str:
-    """CUDA: 16-byte global accesses at a running address p (an integer) plus a constant byte offset,
-    which ptxas folds into the instruction's immediate; ld, st index `_LD_OPS`, `_ST_OPS`."""
-    if not (0 <= ld < len(_LD_OPS) and 0 <= st < len(_ST_OPS)):
-        raise ValueError(f"mHC wgmma kernel tuning: _WG_LD={ld}, _WG_ST={st}: needs 0 <= _WG_LD < {len(_LD_OPS)}, "
-                         f"0 <= _WG_ST < {len(_ST_OPS)}")
-    # (the streams are read-only in the kernel: a load may move like __ldg's, so no volatile)
-    load = ("*reinterpret_cast<uint4*>(d) = __ldg(reinterpret_cast<const uint4*>(p + off));" if ld == 0 else
-            f"""uint4 w;
-  asm("{_LD_OPS[ld]}.v4.u32 {{%0, %1, %2, %3}}, [%4];" : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w) : "l"(p + off));
-  *reinterpret_cast<uint4*>(d) = w;""")
-    return f"""
-__device__ __forceinline__ unsigned long long dsv41c_addr(const void* p) {{
+# CUDA: 16-byte global accesses at a running address p (an integer) plus a constant byte offset,
+# which ptxas folds into the instruction's immediate
+_RUNNING_ADDRS = """
+__device__ __forceinline__ unsigned long long dsv41c_addr(const void* p) {
   return reinterpret_cast<unsigned long long>(p);
-}}
-__device__ __forceinline__ void dsv41c_ldg128(unsigned long long p, long long off, void* d) {{
-  {load}
-}}
-__device__ __forceinline__ void dsv41c_stg128(unsigned long long p, long long off, const void* v) {{
+}
+__device__ __forceinline__ void dsv41c_ldg128(unsigned long long p, long long off, void* d) {
+  *reinterpret_cast<uint4*>(d) = __ldg(reinterpret_cast<const uint4*>(p + off));
+}
+__device__ __forceinline__ void dsv41c_stg128(unsigned long long p, long long off, const void* v) {
   const uint4 w = *reinterpret_cast<const uint4*>(v);  // (st.global: a plain store through an integer is generic)
-  asm volatile("{_ST_OPS[st]}.v4.u32 [%0], {{%1, %2, %3, %4}};" :: "l"(p + off), "r"(w.x), "r"(w.y), "r"(w.z),
-               "r"(w.w) : "memory");
-}}
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" :: "l"(p + off), "r"(w.x), "r"(w.y), "r"(w.z), "r"(w.w)
+               : "memory");
+}
 """
 
 
@@ -940,20 +916,18 @@ __device__ __forceinline__ void dsv41c_mbar_wait(const void* p, unsigned off, un
 
 class _WgLayout:
     """Byte offsets in the wgmma mixing kernel's shared memory (from the 1024-aligned base): fn^T's
-    two pieces (the A operand), then `bufs` B tiles of h^T.  Both are K-major with the 128-byte
+    two pieces (the A operand), then two B tiles of h^T.  Both are K-major with the 128-byte
     swizzle: a 64-k block of an operand is its rows of 128 B, 8-row groups 1024 B apart, and the
     16-byte chunk c of row r sits at chunk c ^ (r % 8).  The methods take ints or TIR expressions
     (the kernel's and the tests' one definition)."""
 
-    def __init__(self, m: int, W: int, BLK: int, bufs: int = 2, tight: bool = False):
+    def __init__(self, m: int, W: int, BLK: int):
         self.steps = m * W // 16  # k steps of 16
         self.a_kb = 48 * 128  # one 64-k block of fn^T: 48 rows (the wgmma's rows 48-63 overlap the next)
-        # the last block's rows 48-63: 2048 bytes of their own, or (tight) the first B tile's
-        self.a_bytes = self.steps // 4 * self.a_kb + (0 if tight else 2048)
+        self.a_bytes = self.steps // 4 * self.a_kb + 2048  # + the last block's overlap
         self.b_kb = BLK * 128
         self.b_bytes = self.steps // 4 * self.b_kb
-        # + the rounding up to 1024 (tight: none, the buffer is aligned)
-        self.smem = (0 if tight else 1024) + self.a_bytes + bufs * self.b_bytes
+        self.smem = 1024 + self.a_bytes + 2 * self.b_bytes  # + the rounding up to 1024
         self.W = W
 
     def a(self, n, h, k):
@@ -1041,17 +1015,13 @@ def _cuda_wg_prim_func(kind, m, D):
     G = D // W
     S, N = _buffers(names, "bfloat16", m, D, G)
     mix = 2 * m + m * m
-    NBUF = _WG_BUFS
-    tight = bool(_WG_TIGHT)
-    L = _WgLayout(m, W, BLK, NBUF, tight)
-    ncb = 1 if tight else 2  # coefficient buffers
+    L = _WgLayout(m, W, BLK)
     assert W == 256 and D % W == 0 and mix <= 24  # column_resident and the model's hc_mult <= 4
-    if not (BLK % 8 == 0 and BLK % TPW == 0 and NWp >= 4 and NWp % 4 == 0 and L.steps % KS == 0 and AH >= 1
-            and NBUF >= 2):
+    if not (BLK % 8 == 0 and BLK % TPW == 0 and NWp >= 4 and NWp % 4 == 0 and L.steps % KS == 0 and AH >= 1):
         raise ValueError(f"mHC wgmma kernel tuning: _WG_BLK={BLK}, _WG_TPW={TPW}, _WG_KSPLIT={KS}, blocks in "
-                         f"flight {AH}, _WG_BUFS={NBUF}: needs _WG_BLK a multiple of 8 and of _WG_TPW, "
+                         f"flight {AH}: needs _WG_BLK a multiple of 8 and of _WG_TPW, "
                          f"_WG_BLK / _WG_TPW streaming warps a multiple of 4, _WG_KSPLIT dividing the {L.steps} k "
-                         f"steps, at least one block in flight, at least two B tiles")
+                         f"steps, at least one block in flight")
     # registers per thread with a GEMM warpgroup: the launch's share, then _WG_GEMM_REGS for the
     # GEMM warpgroup and the rest to the streaming warps (setmaxnreg), a multiple of 8 up to 248
     r0 = min(255, 65536 // nth) // 8 * 8
@@ -1064,9 +1034,9 @@ def _cuda_wg_prim_func(kind, m, D):
     # the coefficients a fetch shares out: a warp's own tokens' over its lanes, ncv a lane
     ncoef = TPW * ncf
     ncv = -(-ncoef // 32)
-    mb = L.a_bytes + NBUF * L.b_bytes  # the mbarriers full[0 .. NBUF - 1], then empty[0 ..], 8 bytes each
+    mb = L.a_bytes + 2 * L.b_bytes  # the mbarriers full[0], full[1], empty[0], empty[1], 8 bytes each
     mul, add = _arith(True)
-    prelude = _PACK_BF16X2 + _running_addrs(_WG_LD, _WG_ST) + _WGMMA_PRELUDE + _MBAR_PRELUDE + _wgmma_fn(BLK) + "".join(
+    prelude = _PACK_BF16X2 + _RUNNING_ADDRS + _WGMMA_PRELUDE + _MBAR_PRELUDE + _wgmma_fn(BLK) + "".join(
         f"""
 __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("setmaxnreg.{op}.sync.aligned.u32 {r};"); }}
 """ for op, r in (("dec", _WG_GEMM_REGS), ("inc", r_st)))
@@ -1120,18 +1090,16 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
 
     @T.macro
     def stash_coefs(Cos, buf, cv, tx):
-        if tight:
-            T.call_extern("handle", "__syncwarp")  # the warp's reads of the block before
         for v in T.unroll(ncv):
             if coef_index(v, tx) < ncoef:
-                Cos[buf % ncb, coef_row(v, tx), coef_index(v, tx) % ncf] = cv[v]
+                Cos[buf, coef_row(v, tx), coef_index(v, tx) % ncf] = cv[v]
         T.call_extern("handle", "__syncwarp")  # the warp's own rows, read by its lanes alone
 
     @T.macro
-    def compute(R, blk, buf, cb, X, q, lane, sm, si):
-        """The warp's tokens of block blk from register set si of X, with the coefficients of Cos
-        buffer cb: h_new and x stored (at the running store addresses ra[2] (x) and ra[3] (h_new),
-        which then step to the next block), h_new into B tile buf, squares into SQ[buf]."""
+    def compute(R, blk, buf, X, q, lane, sm, si):
+        """The warp's tokens of block blk from register set si of X: h_new and x stored (at the
+        running store addresses ra[2] (x) and ra[3] (h_new), which then step to the next block),
+        h_new into B tile buf, squares into SQ."""
         Cos, SQ, ol, xo, hf, xf, hv, sq = R["Cos"], R["SQ"], R["ol"], R["xo"], R["hf"], R["xf"], R["hv"], R["sq"]
         for u in T.unroll(TPW):
             r = q * TPW + u
@@ -1141,7 +1109,7 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
                 if expand:
                     for h in [0, 1]:
                         for j, hj in enumerate(_expand_exprs(
-                                m, lambda coef: Cos[cb % ncb, r, coef],  # noqa: B023
+                                m, lambda coef: Cos[buf, r, coef],  # noqa: B023
                                 lambda src_row: _bf16_half(X[si, u, src_row, w], h),  # noqa: B023
                                 mul, add)):
                             hf[j, h] = hj
@@ -1153,7 +1121,7 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
                 for h in [0, 1]:
                     for j in T.unroll(m):
                         hv[j] = _bf16_half(ol[j, w], h)
-                    xf[h] = _collapse_expr(m, lambda pd_j: Cos[cb % ncb, r, ncf - m + pd_j], hv, mul, add)  # noqa: B023
+                    xf[h] = _collapse_expr(m, lambda pd_j: Cos[buf, r, ncf - m + pd_j], hv, mul, add)  # noqa: B023
                     for j in T.unroll(m):
                         sq[0] = sq[0] + hv[j] * hv[j]
                 xo[w] = T.call_extern("uint32", "dsv41c_pack_bf16x2", xf[0], xf[1])
@@ -1207,22 +1175,21 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
         stores and the next block's coefficients stashed.  Block i's streams are in register set
         si of X, and block i + AH's go into set (si + AH) % (AH + 1), the one block i - 1 was
         computed from.  The B tile and SQ are handed to the GEMM warpgroup through mbarriers, so
-        no streaming warp waits for another: before block i's stores into B tile buf = i % NBUF and
-        SQ[buf], the GEMM warpgroup is done with block i - NBUF (empty[buf]'s completion number
-        i // NBUF - 1); after them, and after its warp's next coefficients are stashed (into the
-        other of the warp's two Cos buffers), each thread arrives at full[buf]."""
-        buf = i % NBUF
-        cb = i % 2
+        no streaming warp waits for another: before block i's stores into B tile buf and SQ, the
+        GEMM warpgroup is done with block i - 2 (empty[buf]'s completion number i // 2 - 1); after
+        them, and after its warp's next coefficients are stashed, each thread arrives at
+        full[buf]."""
+        buf = i % 2
         if i + AH < nb:
             load_streams(X, blk + AH * PV, q, (si + AH) % (AH + 1), R["ra"])
         if i + 1 < nb:
             fetch_coefs(B, cv, blk + PV, tx)
-        if i >= NBUF:
-            T.call_extern("handle", "dsv41c_mbar_wait", sm, mb + 8 * NBUF + 8 * buf, (i // NBUF + 1) % 2)
+        if i >= 2:
+            T.call_extern("handle", "dsv41c_mbar_wait", sm, mb + 16 + 8 * buf, (i // 2 + 1) % 2)
         # (no name bound to the buffer: the script parser would rename it in the CUDA source)
-        compute(R, blk, buf, cb, X, q, lane, sm, si)
+        compute(R, blk, buf, X, q, lane, sm, si)
         T.call_extern("handle", "dsv41c_fence_async")  # the B tile's stores, for the wgmma
-        stash_coefs(R["Cos"], 1 - cb, cv, tx)
+        stash_coefs(R["Cos"], 1 - buf, cv, tx)
         T.call_extern("handle", "dsv41c_mbar_arrive", sm, mb + 8 * buf)
 
     @T.macro
@@ -1242,9 +1209,9 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
         with T.Kernel(G, T.min(T.ceildiv(N, BLK), pmax), threads=nth, prelude=prelude) as (bg, bp):
             tx = T.get_thread_binding()
             TCU.pdl_trigger()  # the finalize kernel may launch once every CTA of this one has started
-            SMB = T.alloc_shared((L.smem // 4 + 4 * NBUF,), "uint32")  # + the 2 NBUF mbarriers
-            Cos = T.alloc_shared((ncb, BLK, ncf), "float32")
-            SQ = T.alloc_shared((NBUF, BLK), "float32")
+            SMB = T.alloc_shared((L.smem // 4 + 8,), "uint32")  # + the four mbarriers
+            Cos = T.alloc_shared((2, BLK, ncf), "float32")
+            SQ = T.alloc_shared((2, BLK), "float32")
             fv = T.alloc_local((4,), "float32")
             hp = T.alloc_local((4,), "float32")
             X = T.alloc_local((AH + 1, TPW, len(rows), 4), "uint32")  # a set per block in flight, and one computed
@@ -1314,21 +1281,21 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
                 for k in sets[:-1]:
                     load_streams(X, bp + k * PV, q, k, ra)
             if tx == 0:
-                for b in range(NBUF):
+                for b in range(2):
                     T.call_extern("handle", "dsv41c_mbar_init", sm, mb + 8 * b, nst)
-                    T.call_extern("handle", "dsv41c_mbar_init", sm, mb + 8 * NBUF + 8 * b, 128)
+                    T.call_extern("handle", "dsv41c_mbar_init", sm, mb + 16 + 8 * b, 128)
             T.call_extern("handle", "dsv41c_fence_async")
             T.sync_threads()  # fn^T in place; the first block's coefficients
             if wg == gw:  # the GEMM warpgroup: each block's wgmma, as soon as its B tile is written
                 if r_st > r0:
                     T.call_extern("handle", f"dsv41c_setmaxnreg_dec{_WG_GEMM_REGS}")
                 for i in T.serial(nb):
-                    # block i's B tile, squares: full[i % NBUF]'s completion number i // NBUF
-                    T.call_extern("handle", "dsv41c_mbar_wait", sm, mb + 8 * (i % NBUF), i // NBUF % 2)
-                    issue(R, i % NBUF, sm)
+                    # block i's B tile, squares: full[i % 2]'s completion number i // 2
+                    T.call_extern("handle", "dsv41c_mbar_wait", sm, mb + 8 * (i % 2), i // 2 % 2)
+                    issue(R, i % 2, sm)
                     T.call_extern("handle", "dsv41c_wgmma_wait")
-                    epilogue(B, R, bp + i * PV, i % NBUF, tx - 128 * gw, bg)
-                    T.call_extern("handle", "dsv41c_mbar_arrive", sm, mb + 8 * NBUF + 8 * (i % NBUF))
+                    epilogue(B, R, bp + i * PV, i % 2, tx - 128 * gw, bg)
+                    T.call_extern("handle", "dsv41c_mbar_arrive", sm, mb + 16 + 8 * (i % 2))
             else:
                 if r_st > r0:
                     T.call_extern("handle", f"dsv41c_setmaxnreg_inc{r_st}")
