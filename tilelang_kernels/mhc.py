@@ -982,7 +982,8 @@ def _cuda_wg_prim_func(kind, m, D):
       computed (the coefficients reach shared memory after this block's compute, so no thread
       waits for them before its stream loads).  (Removed, timed no faster: the streams of the
       blocks 1, 2 or 4 beyond those in flight prefetched into L2; the first block's streams
-      loaded before fn's slice, BENCHMARKS.md.)
+      loaded before fn's slice; loads that skip L1 or are marked streaming, streaming stores; a
+      third B tile; a layout under 164 KB of shared memory, BENCHMARKS.md.)
     - The mixes GEMM, transposed so the tokens are the wgmma's N and a block can be small:
       mixes^T [rows, BLK] = fn^T [rows, k] x h^T [k, BLK], k = m * W.  fn's slice stays in shared
       memory for every token the CTA sees, as the A operand (K-major, 128-byte swizzle) in two
