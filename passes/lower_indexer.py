@@ -39,15 +39,17 @@ vl is visible_len as int32; the scoring kernel gets it only where the eager site
 entries before the top-k (the prefill, whose `if state.is_prefill` block the site contains): a
 decode step scores every cached entry and only marks the invisible ones -1 afterwards, as
 index_topk does. The candidate source's entry mask, if anything outside the lowered sites still
-reads it, is rebuilt from `keep` (each block flag repeated over its 8 entries).
+reads it, is rebuilt from `keep` (each block flag repeated over its block's entries). A funnel's
+block size other than the released 8 (tiny's is 4) goes to the ops as `block=`: the C builds take
+any size, the CUDA builds 8 only.
 
 Ties: the kernels give a tie to the lower index; the eager bf16 path uses torch.topk's order,
 which the spec leaves to the implementation (§6.5), so compiled and eager may pick different
 members of a tie. The scores themselves are bit-identical on MXFP4-quantised queries (kv_quant).
 
 A site the kernels cannot take (fp32: the kernels are bf16 only; keys that are not a packed cache
-read; a funnel block size other than the kernels' 8; a candidate mask from a site left as torch
-ops) stays as torch ops: it is reported in the stats and warned about, and strict mode makes it an
+read; on CUDA, a funnel block size other than 8; a candidate mask from a site left as torch ops)
+stays as torch ops: it is reported in the stats and warned about, and strict mode makes it an
 error naming the site.
 """
 from __future__ import annotations
@@ -170,6 +172,7 @@ class _Rewrite:
         self.graph, self.model, self.sites = graph, model, sites
         self.owner = {n: s for s in sites for n in s.nodes}
         self.blocks: dict[fx.Node, fx.Node] = {}    # candidate entry mask -> its kernel block flags
+        self.block_size: dict[fx.Node, int] = {}    # kernel block flags -> entries a block
         self.funnels = {s for s in sites if _in_function(s, "candidate_mask")}
         self.lowered: set[Site] = set()
         self.added = 0
@@ -190,8 +193,13 @@ class _Rewrite:
         codes, scales = packed
         module = self.model.get_submodule(site.module) if site.module else self.model
         funnel = site in self.funnels
-        if funnel and getattr(module, "block_size", None) != BLOCK:
-            raise Mismatch(f"candidate block size {getattr(module, 'block_size', None)}, the kernels' is {BLOCK}")
+        # entries a candidate block: the site's own funnel's, or the one its candidate flags came from
+        block = getattr(module, "block_size", None) if funnel else self.block_size.get(cand, BLOCK)
+        if funnel and (not isinstance(block, int) or block < 1):
+            raise Mismatch(f"candidate block size {block}")
+        if funnel and block != BLOCK and qv.device.type != "cpu":
+            raise Mismatch(f"candidate block size {block}: the CUDA kernels take blocks of {BLOCK}")
+        bk = {} if block == BLOCK else {"block": block}  # (the ops' default is the released 8)
         mask_out = self._mask_output(site, _val(out)) if funnel else None
         n = self._sym(_val(keys).shape[1], "n")
         k = self._sym(_val(out).shape[-1], "k")
@@ -200,13 +208,14 @@ class _Rewrite:
             vl32 = self._node(prims.convert_element_type.default, (vl, torch.int32))
             scores = self._node(torch.ops.dsv41c.index_scores.default,
                                 (q, codes, scales, w, vl32 if _masks_invisible(site) else None, cand),
-                                {"n": n, "block_max": funnel})
+                                {"n": n, "block_max": funnel, **bk})
             sc = self._node(operator.getitem, (scores, 0))
             if funnel:
                 bm = self._node(operator.getitem, (scores, 1))
                 keep = self._node(torch.ops.dsv41c.candidate_blocks.default, (bm, vl32),
-                                  {"topk_blocks": module.topk_blocks})
-                mask = self._node(aten.repeat_interleave.self_int, (keep, BLOCK, -1))
+                                  {"topk_blocks": module.topk_blocks, **bk})
+                self.block_size[keep] = block
+                mask = self._node(aten.repeat_interleave.self_int, (keep, block, -1))
                 if str(_val(mask).shape[-1]) != str(_val(mask_out).shape[-1]):
                     mask = self._node(aten.slice.Tensor, (mask, 2, 0, self._sym(_val(mask_out).shape[-1], "n")))
                 if str(_val(mask).shape) != str(_val(mask_out).shape):
@@ -216,7 +225,8 @@ class _Rewrite:
             # the blocks the top-k reads (module docstring): the source's own funnel when it keeps more
             # blocks than the top-k takes entries, the candidates at a later source
             flags = keep if funnel and funnel_keeps_topk(module.topk_blocks, module.topk) else cand
-            idx = self._node(torch.ops.dsv41c.index_topk.default, (sc, vl32, flags), {"k": k, "offset": offset})
+            idx = self._node(torch.ops.dsv41c.index_topk.default, (sc, vl32, flags),
+                             {"k": k, "offset": offset, **(bk if flags is not None else {})})
         if str(_val(idx).shape) != str(_val(out).shape):
             raise Mismatch(f"index_topk gives {tuple(_val(idx).shape)}, the site {tuple(_val(out).shape)}")
         out.replace_all_uses_with(idx)

@@ -170,6 +170,24 @@ def test_small_graph_is_lowered_and_matches_eager(case):
         assert (ra[:, 0] == -1).sum() == 2 * (k - 1)
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_tinys_block_size_is_lowered_on_the_cpu(case):
+    """tiny's own candidate blocks of 4 entries (6 blocks for 21 keys): every site lowered in strict
+    mode, the ops given `block=4` (the C builds take any size), the lists equal eager's."""
+    s, n, start_pos = CASES[case]
+    module, log = small_module(candidate_block_size=4), []
+    assert module.source.block_size == 4
+    lower = Record(log)
+    lower.strict = True
+    (a, b), inputs, pipeline = compile_small(module, lower, s, n, start_pos)
+    after = log[0][2]
+    assert log[0][3] == 0 and kernel_calls(after) == {"index_scores": 2, "candidate_blocks": 1, "index_topk": 2}
+    assert after.count("block = 4") == 4  # both scorings, the funnel and the user's top-k (given flags)
+    assert pipeline.stats["lower_indexer"].matches == 2
+    ra, rb = eager_stable(module, inputs)
+    assert torch.equal(a, ra) and torch.equal(b, rb)
+
+
 @pytest.mark.parametrize("case", ("prefill", "decode"))
 def test_source_topk_gets_its_funnel_flags_when_they_keep_it(case):
     """With more candidate blocks than top-k entries (bench.json: 2048 for 512) the candidate

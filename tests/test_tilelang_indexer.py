@@ -240,6 +240,45 @@ def test_reindex_chain_cpu():
     assert same(K.index_topk(sc, vl, keep, k=k, offset=s), ref), f"seed={seed}"
 
 
+@pytest.mark.parametrize("block", (1, 4, 5))
+def test_other_block_sizes_cpu(block):
+    """Candidate blocks of other than 8 entries (tiny's are 4): the C builds' block maxima, masked
+    scores, funnel and top-k given the flags, against the refs with the same block size and the
+    eager Indexer's candidate_mask; a prefill whose last block is partial for every size here."""
+    seed = fresh_seed()
+    b, s, n, k, kb = 2, 23, 23, 6, 3
+    q, codes, scales, w = make_inputs(b, s, H, D, n, seed)
+    q2, _, _, w2 = make_inputs(b, s, H, D, n, seed + 1)
+    vl = prefill_visible(s, 1)
+    sc, bm = K.index_scores(q, codes, scales, w, vl, n=n, block_max=True, block=block)
+    ref_sc, ref_bm = K.index_scores_ref(q, codes, scales, w, vl, n=n, block_max=True, block=block)
+    assert bm.shape[-1] == -(-n // block) and same(sc, ref_sc) and same(bm, ref_bm), f"seed={seed}"
+    keep = K.candidate_blocks(bm, vl, topk_blocks=kb, block=block)
+    assert same(keep, K.candidate_blocks_ref(bm, vl, topk_blocks=kb, block=block)), f"seed={seed}"
+    funnel = type("Funnel", (), {"block_size": block, "topk_blocks": kb})()
+    eager = Indexer.candidate_mask(funnel, ref_sc.float(), vl.long())
+    assert same(K.expand_blocks(keep, n, block), eager), f"seed={seed}"
+    sc2, _ = K.index_scores(q2, codes, scales, w2, vl, keep, n=n, block=block)
+    ref_sc2, _ = K.index_scores_ref(q2, codes, scales, w2, vl, keep, n=n, block=block)
+    assert same(sc2, ref_sc2), f"seed={seed}"
+    got = K.index_topk(sc2, vl, keep, k=k, offset=s, block=block)
+    assert same(got, K.index_topk_ref(ref_sc2, vl, k=k, offset=s)), f"seed={seed}"
+
+
+def test_cuda_builds_refuse_other_block_sizes():
+    """Without a GPU: the CUDA scoring with candidate flags or block maxima, and the candidate-mode
+    select, are written for blocks of 8 and say so; the funnel's select takes any size (only its
+    pinned block depends on it), and scores without either ignore it."""
+    with pytest.raises(ValueError, match="CUDA build takes candidate blocks of 8 entries, got 4"):
+        K.scores_prim_func(32, 128, False, True, False, "cuda", 4)
+    with pytest.raises(ValueError, match="CUDA build takes candidate blocks of 8 entries, got 4"):
+        K.scores_prim_func(32, 128, False, False, True, "cuda", 4)
+    with pytest.raises(ValueError, match="candidate mode takes blocks of 8 entries, got 4"):
+        K.select_prim_func("cand", "emit", "cuda", 4)
+    K.select_prim_func("blocks", "emit", "cuda", 4)
+    K.scores_prim_func(32, 128, False, False, False, "cuda", 4)
+
+
 def test_one_build_serves_all_shapes_cpu():
     before = K.build.cache_info().currsize
     for b, s, n in ((1, 1, 9), (2, 3, 17), (3, 2, 64)):
@@ -292,6 +331,18 @@ def opcheck_all(device):
     sc2, _ = K.index_scores(q, codes, scales, w, vl, cand, n=n)
     torch.library.opcheck(torch.ops.dsv41c.index_topk, (sc2, vl, cand), {"k": 7, "offset": 3}, test_utils=OPCHECK)
     torch.library.opcheck(torch.ops.dsv41c.candidate_blocks, (bm, vl), {"topk_blocks": 2}, test_utils=OPCHECK)
+    # candidate blocks of 4 entries (6 of them for 21 keys)
+    cand4 = torch.rand(b, s, 6, device=device) < 0.5
+    if device != "cuda":  # (the CUDA scoring takes blocks of 8 only)
+        torch.library.opcheck(torch.ops.dsv41c.index_scores, (q, codes, scales, w, vl, cand4),
+                              {"n": n, "block_max": True, "block": 4}, test_utils=OPCHECK)
+        _, bm = K.index_scores(q, codes, scales, w, vl, n=n, block_max=True, block=4)
+    else:
+        bm = bm.repeat_interleave(2, dim=-1)[..., :6]
+    torch.library.opcheck(torch.ops.dsv41c.index_topk, (sc, vl, cand4), {"k": 7, "offset": 3, "block": 4},
+                          test_utils=OPCHECK)
+    torch.library.opcheck(torch.ops.dsv41c.candidate_blocks, (bm, vl), {"topk_blocks": 2, "block": 4},
+                          test_utils=OPCHECK)
 
 
 def test_opcheck_cpu():

@@ -1,16 +1,19 @@
 """Indexer kernels (MODEL.md §6.5, §6.9): scores straight from the MXFP4 index keys, top-k, funnel.
 
 Ops (`torch.ops.dsv41c.*`); B sequences, S queries, H index heads of width d (a multiple of 32),
-n keys, nb = ceil(n / 8) candidate blocks:
+n keys, nb = ceil(n / block) candidate blocks of `block` entries (b_c of §6.9, 8 in the released
+config; every op takes `block`, default 8; the CUDA builds take blocks of 8 only, the C builds
+any):
   index_scores(q [B,S,H,d] bf16, codes u8 [B,>=n,d/2], scales u8 [B,>=n,d/32], w [B,S,H] bf16,
-               visible_len int32 [S] or None, cand_blocks bool [B,S,nb] or None, *, n, block_max)
+               visible_len int32 [S] or None, cand_blocks bool [B,S,nb] or None, *, n, block_max,
+               block)
       -> (scores [B,S,n] bf16, block max [B,S,nb] bf16, or [B,S,0] without block_max)
       score[b,s,t] = sum_h relu(q[b,s,h] . K[b,t]) * w[b,s,h] with the bf16 rounding points of
       §6.5(d); -inf where t >= visible_len[s] (prefill; None in decode: all visible) and where
-      the candidate block t // 8 is not kept.  The keys are the packed cache (a RowStore's
+      the candidate block t // block is not kept.  The keys are the packed cache (a RowStore's
       `codes`/`scales`, rows 0..n-1 are read, so the whole cache buffer can be passed).
   index_topk(scores [B,S,n] bf16, visible_len int32 [S], cand_blocks bool [B,S,nb] or None, *,
-             k, offset) -> int32 [B,S,k]
+             k, offset, block) -> int32 [B,S,k]
       the k largest scores per query, ties to the lower index, ascending; indices >= visible_len
       become -1, the others get + offset (§6.5(g), the -inf fill quirk included).  cand_blocks
       is a promise about the scores: the kept blocks hold every entry the top-k selects or, in a
@@ -18,9 +21,10 @@ n keys, nb = ceil(n / 8) candidate blocks:
       the kept blocks' scores (a row keeps 2049 of 32768 blocks at 256K) and counts the others
       as -inf; the result is the same.  Flags that keep it: the ones `index_scores` masked the
       scores with (every finite score is kept), and `candidate_blocks` over the scores' own block
-      maxima with topk_blocks > k (see `funnel_keeps_topk`).  The C build reads the whole row.
-  candidate_blocks(block_max [B,S,nb] bf16, visible_len int32 [S], *, topk_blocks)
-      -> keep bool [B,S,nb]: the newest block (visible_len-1)//8 pinned, the top
+      maxima with topk_blocks > k (see `funnel_keeps_topk`).  The C build reads the whole row, and
+      so does the CUDA build with blocks of other than 8 entries.
+  candidate_blocks(block_max [B,S,nb] bf16, visible_len int32 [S], *, topk_blocks, block)
+      -> keep bool [B,S,nb]: the newest block (visible_len-1)//block pinned, the top
       min(topk_blocks, nb) blocks, ties to the lower index, kept iff also > -inf (§6.9).
       `expand_blocks(keep, n)` is the entry mask the eager model publishes.
 
@@ -92,12 +96,13 @@ def _invisible(visible_len: torch.Tensor, n: int) -> torch.Tensor:
     return torch.arange(n, device=visible_len.device) >= visible_len.view(-1, 1)
 
 
-def expand_blocks(keep: torch.Tensor, n: int) -> torch.Tensor:
-    """Block keep flags [..., nb] -> the entry mask [..., n] (each flag repeated 8 times, cut)."""
-    return keep.repeat_interleave(BLOCK, dim=-1)[..., :n]
+def expand_blocks(keep: torch.Tensor, n: int, block: int = BLOCK) -> torch.Tensor:
+    """Block keep flags [..., nb] -> the entry mask [..., n] (each flag repeated `block` times, cut)."""
+    return keep.repeat_interleave(block, dim=-1)[..., :n]
 
 
-def index_scores_ref(q, codes, scales, w, visible_len=None, cand_blocks=None, *, n=None, block_max=False):
+def index_scores_ref(q, codes, scales, w, visible_len=None, cand_blocks=None, *, n=None, block_max=False,
+                     block=BLOCK):
     """What `index_scores` computes, from the eager code on the dequantised keys (same args)."""
     n = codes.shape[1] if n is None else n
     keys = quant.mxfp4_dequant_ref(codes[:, :n], scales[:, :n], torch.bfloat16)
@@ -105,12 +110,12 @@ def index_scores_ref(q, codes, scales, w, visible_len=None, cand_blocks=None, *,
     if visible_len is not None:
         scores = scores.masked_fill(_invisible(visible_len, n), float("-inf"))
     if cand_blocks is not None:
-        scores = scores.masked_fill(~expand_blocks(cand_blocks, n), float("-inf"))
-    nb = -(-n // BLOCK)
+        scores = scores.masked_fill(~expand_blocks(cand_blocks, n, block), float("-inf"))
+    nb = -(-n // block)
     if not block_max:
         return scores, scores.new_empty(*scores.shape[:2], 0)
-    padded = F.pad(scores, (0, nb * BLOCK - n), value=float("-inf"))
-    return scores, padded.unflatten(-1, (nb, BLOCK)).amax(dim=-1)
+    padded = F.pad(scores, (0, nb * block - n), value=float("-inf"))
+    return scores, padded.unflatten(-1, (nb, block)).amax(dim=-1)
 
 
 def index_topk_ref(scores, visible_len, *, k, offset):
@@ -135,11 +140,11 @@ def funnel_keeps_topk(topk_blocks: int, k: int) -> bool:
     return topk_blocks > k
 
 
-def candidate_blocks_ref(block_max, visible_len, *, topk_blocks):
+def candidate_blocks_ref(block_max, visible_len, *, topk_blocks, block=BLOCK):
     """§6.9 steps 2-3 by `Indexer.candidate_mask` (ties to the lower index), as block flags."""
     funnel = type("Funnel", (), {"block_size": 1, "topk_blocks": topk_blocks})()
     # with block_size 1 over the block maxima, candidate_mask pins entry (its visible_len) - 1
-    newest_block = (visible_len - 1).div(BLOCK, rounding_mode="floor")
+    newest_block = (visible_len - 1).div(block, rounding_mode="floor")
     return Indexer.candidate_mask(funnel, block_max.float(), newest_block + 1)
 
 
@@ -183,7 +188,7 @@ def _sel_key(h, i, newest, blocks):
 
 # ------------------------------------------------------------------------------------- C builds
 
-def _cpu_scores_prim_func(H, d, visible, cand, bmax):
+def _cpu_scores_prim_func(H, d, visible, cand, bmax, block):
     N, NC, NB = T.dynamic("N"), T.dynamic("NC"), T.dynamic("NB")
     B, S = T.dynamic("B"), T.dynamic("S")
     nsb = d // 32
@@ -222,20 +227,21 @@ def _cpu_scores_prim_func(H, d, visible, cand, bmax):
                 if visible:
                     out = T.Select(t >= VL[s], T.Cast("uint16", _NEG_INF_BF16), out)
                 if cand:
-                    out = T.Select(CAND[b, s, t // BLOCK] == T.Cast("uint8", 0), T.Cast("uint16", _NEG_INF_BF16), out)
+                    out = T.Select(CAND[b, s, t // block] == T.Cast("uint8", 0), T.Cast("uint16", _NEG_INF_BF16), out)
                 SC[b, s, t] = out
             if bmax:
                 for j in T.serial(NB):
                     bm = _bf16_value(_NEG_INF_BF16)
-                    for i in T.serial(BLOCK):
-                        if j * BLOCK + i < N:
-                            bm = T.max(bm, _bf16_value(SC[b, s, j * BLOCK + i]))
+                    for i in T.serial(block):
+                        if j * block + i < N:
+                            bm = T.max(bm, _bf16_value(SC[b, s, j * block + i]))
                     BM[b, s, j] = _store("uint16", bm)
     return main
 
 
-def _cpu_select_prim_func(mode):
-    """mode "topk": K [B,S,k] int32 indices; mode "blocks": keep flags u8 [B,S,n] (pin newest)."""
+def _cpu_select_prim_func(mode, block):
+    """mode "topk": K [B,S,k] int32 indices; mode "blocks": keep flags u8 [B,S,n] (pin newest, the
+    block of entry visible_len - 1 in blocks of `block`)."""
     B, S, N, KO = T.dynamic("B"), T.dynamic("S"), T.dynamic("N"), T.dynamic("KO")
     blocks = mode == "blocks"
     out_shape, out_dtype = ((B, S, N), "uint8") if blocks else ((B, S, KO), "int32")
@@ -253,7 +259,7 @@ def _cpu_select_prim_func(mode):
             need = T.alloc_var("int32")
             kv = T.alloc_var("uint32")
             kk = k
-            newest = T.Select(VL[s] > 0, (VL[s] - 1) // BLOCK, -1)
+            newest = T.Select(VL[s] > 0, (VL[s] - 1) // block, -1)
 
             T.clear(hist)
             for i in T.serial(N):
@@ -302,33 +308,40 @@ def _cpu_select_prim_func(mode):
 
 # ------------------------------------------------------------------------------------- builds
 
-def scores_prim_func(H: int, d: int, visible: bool, cand: bool, bmax: bool, target: str):
-    """The scoring prim_func for H heads of width d; flags: causal mask, candidate blocks, block max."""
-    if d % 32 or H < 1:
-        raise ValueError(f"index_scores: need d a multiple of 32 and H >= 1, got H={H}, d={d}")
+def scores_prim_func(H: int, d: int, visible: bool, cand: bool, bmax: bool, target: str, block: int = BLOCK):
+    """The scoring prim_func for H heads of width d; flags: causal mask, candidate blocks (of `block`
+    entries), block max."""
+    if d % 32 or H < 1 or block < 1:
+        raise ValueError(f"index_scores: need d a multiple of 32, H >= 1 and block >= 1, got H={H}, d={d}, "
+                         f"block={block}")
     if target == "c":
-        return _cpu_scores_prim_func(H, d, visible, cand, bmax)
+        return _cpu_scores_prim_func(H, d, visible, cand, bmax, block)
+    if (cand or bmax) and block != BLOCK:
+        raise ValueError(f"index_scores: the CUDA build takes candidate blocks of {BLOCK} entries, got {block}")
     return _cuda_scores_prim_func(H, d, visible, cand, bmax)
 
 
-def select_prim_func(mode: str, phase: str, target: str):
-    """The selection prim_func, mode "topk" (indices), "blocks" (funnel keep flags) or, CUDA only,
-    "cand" (indices, reading only the candidate blocks' scores); the C build does everything in
-    one phase "all", the CUDA build is split in SELECT_PHASES."""
+def select_prim_func(mode: str, phase: str, target: str, block: int = BLOCK):
+    """The selection prim_func, mode "topk" (indices), "blocks" (funnel keep flags, the newest of
+    the blocks of `block` entries pinned) or, CUDA only, "cand" (indices, reading only the
+    candidate blocks' scores, blocks of 8); the C build does everything in one phase "all", the
+    CUDA build is split in SELECT_PHASES."""
     modes = ("topk", "blocks") if target == "c" else ("topk", "blocks", "cand")
-    if mode not in modes or phase not in (("all",) if target == "c" else SELECT_PHASES):
-        raise ValueError(f"indexer select: unknown mode/phase {mode!r}/{phase!r} for target {target}")
+    if mode not in modes or phase not in (("all",) if target == "c" else SELECT_PHASES) or block < 1:
+        raise ValueError(f"indexer select: unknown mode/phase/block {mode!r}/{phase!r}/{block} for target {target}")
     if target == "c":
-        return _cpu_select_prim_func(mode)
-    return _cuda_select_prim_func(mode, phase)
+        return _cpu_select_prim_func(mode, block)
+    if mode == "cand" and block != BLOCK:
+        raise ValueError(f"indexer select: the CUDA candidate mode takes blocks of {BLOCK} entries, got {block}")
+    return _cuda_select_prim_func(mode, phase, block)
 
 
 @functools.cache
-def build(kind: str, key: tuple, target: str):
-    """Compiled kernel, once per process per (kind "scores"/"select", key, target); target "c"
-    (CPU) or "cuda:sm_XX"."""
+def build(kind: str, key: tuple, target: str, block: int = BLOCK):
+    """Compiled kernel, once per process per (kind "scores"/"select", key, target, candidate block
+    size); target "c" (CPU) or "cuda:sm_XX"."""
     cpu = target == "c"
-    fn = (scores_prim_func if kind == "scores" else select_prim_func)(*key, "c" if cpu else "cuda")
+    fn = (scores_prim_func if kind == "scores" else select_prim_func)(*key, "c" if cpu else "cuda", block)
     return compile_for(fn, target)
 
 
@@ -345,7 +358,7 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------- torch.library ops
 
-def _check_scores(q, codes, scales, w, visible_len, cand_blocks, n):
+def _check_scores(q, codes, scales, w, visible_len, cand_blocks, n, block):
     if q.dim() != 4 or q.dtype != torch.bfloat16:
         raise ValueError(f"index_scores: q must be [B,S,H,d] bf16, got {q.dtype} {tuple(q.shape)}")
     b, s, h, d = q.shape
@@ -355,7 +368,9 @@ def _check_scores(q, codes, scales, w, visible_len, cand_blocks, n):
             "w": ((b, s, h), torch.bfloat16, w)}
     if visible_len is not None:
         want["visible_len"] = ((s,), torch.int32, visible_len)
-    nb = -(-n // BLOCK)
+    if block < 1:
+        raise ValueError(f"index_scores: block must be >= 1, got {block}")
+    nb = -(-n // block)
     if cand_blocks is not None:
         want["cand_blocks"] = ((b, s, nb), torch.bool, cand_blocks)
     for name, (shape, dtype, t) in want.items():
@@ -368,18 +383,20 @@ def _check_scores(q, codes, scales, w, visible_len, cand_blocks, n):
     return b, s, h, d, nb
 
 
-def _scores_fake(q, codes, scales, w, visible_len, cand_blocks, n, block_max):
+def _scores_fake(q, codes, scales, w, visible_len, cand_blocks, n, block_max, block=BLOCK):
     b, s = q.shape[:2]
-    return q.new_empty((b, s, n)), q.new_empty((b, s, -(-n // BLOCK) if block_max else 0))
+    return q.new_empty((b, s, n)), q.new_empty((b, s, -(-n // block) if block_max else 0))
 
 
-def _scores_impl(q, codes, scales, w, visible_len, cand_blocks, n, block_max):
-    b, s, h, d, nb = _check_scores(q, codes, scales, w, visible_len, cand_blocks, n)
-    sc, bm = _scores_fake(q, codes, scales, w, visible_len, cand_blocks, n, block_max)
+def _scores_impl(q, codes, scales, w, visible_len, cand_blocks, n, block_max, block=BLOCK):
+    b, s, h, d, nb = _check_scores(q, codes, scales, w, visible_len, cand_blocks, n, block)
+    sc, bm = _scores_fake(q, codes, scales, w, visible_len, cand_blocks, n, block_max, block)
     if sc.numel() == 0:
         return sc, bm
     target = kernel_target(q, "indexer")
-    kernel = build("scores", (h, d, visible_len is not None, cand_blocks is not None, block_max), target)
+    # (the block size matters only with candidate flags or block maxima: one build for the rest)
+    kernel = build("scores", (h, d, visible_len is not None, cand_blocks is not None, block_max), target,
+                   block if cand_blocks is not None or block_max else BLOCK)
     # the keys' buffers as allocated (a cache read [:B, :n] is not copied): keys from n on are never read
     args = [_bits(_aligned(q.contiguous()), target), _aligned(rows_buffer(codes)), _aligned(rows_buffer(scales)),
             _bits(w.contiguous(), target)]
@@ -404,7 +421,7 @@ def _check_select(op, scores, visible_len):
                          f"got {visible_len.dtype} {tuple(visible_len.shape)} on {visible_len.device}")
 
 
-def _select(mode, scores, visible_len, k, offset, out, cand_blocks=None, phases=None):
+def _select(mode, scores, visible_len, k, offset, out, cand_blocks=None, phases=None, block=BLOCK):
     """Run the select build(s) of `mode` on scores [B,S,n] (k >= 1) into out; in top-k mode the
     CUDA build reads only the blocks `cand_blocks` keeps (see index_topk).  `phases`: the CUDA
     launches to run after the histograms are zeroed (default all of SELECT_PHASES;
@@ -415,7 +432,7 @@ def _select(mode, scores, visible_len, k, offset, out, cand_blocks=None, phases=
     # k and offset are scalar kernel arguments: a device tensor of them would cost a host-to-device
     # copy that synchronises the host with the GPU on every call and breaks CUDA graph capture
     if target == "c":
-        build("select", (mode, "all"), target)(sc, vl, out, k, offset)
+        build("select", (mode, "all"), target, block)(sc, vl, out, k, offset)
         return
     b, s, n = scores.shape
     parts, part = cuda_select_split(n, b * s)
@@ -426,23 +443,25 @@ def _select(mode, scores, visible_len, k, offset, out, cand_blocks=None, phases=
     hist = torch.zeros(b, s, 2, 256, dtype=torch.int32, device=scores.device)
     part_hist = torch.empty(b, s, parts, 257, dtype=torch.int32, device=scores.device)
     for phase in SELECT_PHASES if phases is None else phases:
-        build("select", (mode, phase), target)(sc, vl, cand, hist, part_hist, out, part, k, offset)
+        build("select", (mode, phase), target, block)(sc, vl, cand, hist, part_hist, out, part, k, offset)
 
 
-def _topk_fake(scores, visible_len, cand_blocks=None, *, k, offset):
+def _topk_fake(scores, visible_len, cand_blocks=None, *, k, offset, block=BLOCK):
     return scores.new_empty((*scores.shape[:2], k), dtype=torch.int32)
 
 
-def _topk_impl(scores, visible_len, cand_blocks=None, *, k, offset):
+def _topk_impl(scores, visible_len, cand_blocks=None, *, k, offset, block=BLOCK):
     _check_select("index_topk", scores, visible_len)
-    if k < 0:
-        raise ValueError(f"index_topk: k={k} must be >= 0")
-    nb = (*scores.shape[:2], -(-scores.shape[-1] // BLOCK))
+    if k < 0 or block < 1:
+        raise ValueError(f"index_topk: k={k} must be >= 0 and block={block} >= 1")
+    nb = (*scores.shape[:2], -(-scores.shape[-1] // block))
     if cand_blocks is not None and (cand_blocks.shape != nb or cand_blocks.dtype != torch.bool
                                     or cand_blocks.device != scores.device):
         raise ValueError(f"index_topk: cand_blocks must be bool {nb} on {scores.device}, got "
                          f"{cand_blocks.dtype} {tuple(cand_blocks.shape)} on {cand_blocks.device}")
     out = _topk_fake(scores, visible_len, cand_blocks, k=k, offset=offset)
+    if block != BLOCK:  # the flags are a promise about the scores (docstring): the whole row gives the same list
+        cand_blocks = None
     n = scores.shape[-1]
     if k >= n:  # every score is selected, sorted: 0..n-1, then the model's -inf padding (-1 slots)
         idx = torch.arange(k, dtype=torch.int32, device=scores.device).expand_as(out)
@@ -452,20 +471,20 @@ def _topk_impl(scores, visible_len, cand_blocks=None, *, k, offset):
     return out
 
 
-def _blocks_fake(block_max, visible_len, topk_blocks):
+def _blocks_fake(block_max, visible_len, topk_blocks, block=BLOCK):
     return block_max.new_empty(block_max.shape, dtype=torch.bool)
 
 
-def _blocks_impl(block_max, visible_len, topk_blocks):
+def _blocks_impl(block_max, visible_len, topk_blocks, block=BLOCK):
     _check_select("candidate_blocks", block_max, visible_len)
-    if topk_blocks < 0:
-        raise ValueError(f"candidate_blocks: topk_blocks must be >= 0, got {topk_blocks}")
+    if topk_blocks < 0 or block < 1:
+        raise ValueError(f"candidate_blocks: topk_blocks must be >= 0 and block >= 1, got {topk_blocks}, {block}")
     out = _blocks_fake(block_max, visible_len, topk_blocks)
     if out.numel():
         kb = min(topk_blocks, block_max.shape[-1])
         if kb == 0:
             return out.zero_()
-        _select("blocks", block_max, visible_len, kb, 0, out.view(torch.uint8))
+        _select("blocks", block_max, visible_len, kb, 0, out.view(torch.uint8), block=block)
     return out
 
 
@@ -473,28 +492,29 @@ _OPS = {}
 for _name, _impl, _fake, _schema in (
         ("index_scores", _scores_impl, _scores_fake,
          "(Tensor q, Tensor codes, Tensor scales, Tensor w, Tensor? visible_len, Tensor? cand_blocks, *, "
-         "SymInt n, bool block_max) -> (Tensor, Tensor)"),
+         "SymInt n, bool block_max, int block=8) -> (Tensor, Tensor)"),
         ("index_topk", _topk_impl, _topk_fake,
-         "(Tensor scores, Tensor visible_len, Tensor? cand_blocks=None, *, SymInt k, SymInt offset) -> Tensor"),
+         "(Tensor scores, Tensor visible_len, Tensor? cand_blocks=None, *, SymInt k, SymInt offset, int block=8) "
+         "-> Tensor"),
         ("candidate_blocks", _blocks_impl, _blocks_fake,
-         "(Tensor block_max, Tensor visible_len, *, SymInt topk_blocks) -> Tensor")):
+         "(Tensor block_max, Tensor visible_len, *, SymInt topk_blocks, int block=8) -> Tensor")):
     _OPS[_name] = define_op(_name, _schema, _impl, _fake)
 
 
-def index_scores(q, codes, scales, w, visible_len=None, cand_blocks=None, *, n=None, block_max=False):
+def index_scores(q, codes, scales, w, visible_len=None, cand_blocks=None, *, n=None, block_max=False, block=BLOCK):
     """Scores [B,S,n] bf16 and block max [B,S,nb] (or [B,S,0]); = index_scores_ref."""
     return torch.ops.dsv41c.index_scores(q, codes, scales, w, visible_len, cand_blocks,
-                                         n=codes.shape[1] if n is None else n, block_max=block_max)
+                                         n=codes.shape[1] if n is None else n, block_max=block_max, block=block)
 
 
-def index_topk(scores, visible_len, cand_blocks=None, *, k, offset):
+def index_topk(scores, visible_len, cand_blocks=None, *, k, offset, block=BLOCK):
     """Top-k indices int32 [B,S,k], ascending, -1 past visible_len, + offset; = index_topk_ref."""
-    return torch.ops.dsv41c.index_topk(scores, visible_len, cand_blocks, k=k, offset=offset)
+    return torch.ops.dsv41c.index_topk(scores, visible_len, cand_blocks, k=k, offset=offset, block=block)
 
 
-def candidate_blocks(block_max, visible_len, *, topk_blocks):
+def candidate_blocks(block_max, visible_len, *, topk_blocks, block=BLOCK):
     """Funnel keep flags bool [B,S,nb] from the block maxima; = candidate_blocks_ref."""
-    return torch.ops.dsv41c.candidate_blocks(block_max, visible_len, topk_blocks=topk_blocks)
+    return torch.ops.dsv41c.candidate_blocks(block_max, visible_len, topk_blocks=topk_blocks, block=block)
 
 
 # ------------------------------------------------------------------------------------- CUDA builds
@@ -1276,7 +1296,7 @@ def cuda_select_gathers(part: int) -> bool:
     return part >= _SEL_GATHER_CHUNKS * _SEL_THREADS * _SEL_VEC
 
 
-def _cuda_select_prim_func(mode, phase):
+def _cuda_select_prim_func(mode, phase, block=BLOCK):
     """One phase of the CUDA select; grid (S, P parts of the row, B), 256 threads.
 
     hist0  each CTA counts the high bytes of its part's keys into 256 shared bins (warp-aggregated:
@@ -1436,7 +1456,7 @@ def _cuda_select_prim_func(mode, phase):
             eq = T.alloc_var("int32")
             gath = T.alloc_var("int32")
             kk = k
-            newest = T.Select(VL[s] > 0, (VL[s] - 1) // BLOCK, -1)
+            newest = T.Select(VL[s] > 0, (VL[s] - 1) // block, -1)  # blocks: the pinned block
             lane_below = (_u(1) << T.Cast("uint32", tx % 32)) - _u(1)
             windows = T.ceildiv(T.min(part, N - p * part), win * BLOCK)  # of a gathered walk
             if phase != "hist0":
