@@ -172,7 +172,6 @@ class _Rewrite:
         self.graph, self.model, self.sites = graph, model, sites
         self.owner = {n: s for s in sites for n in s.nodes}
         self.blocks: dict[fx.Node, fx.Node] = {}    # candidate entry mask -> its kernel block flags
-        self.block_size: dict[fx.Node, int] = {}    # kernel block flags -> entries a block
         self.funnels = {s for s in sites if _in_function(s, "candidate_mask")}
         self.lowered: set[Site] = set()
         self.added = 0
@@ -193,8 +192,12 @@ class _Rewrite:
         codes, scales = packed
         module = self.model.get_submodule(site.module) if site.module else self.model
         funnel = site in self.funnels
-        # entries a candidate block: the site's own funnel's, or the one its candidate flags came from
-        block = getattr(module, "block_size", None) if funnel else self.block_size.get(cand, BLOCK)
+        # entries a candidate block: the site's own funnel's, or that of the candidate_blocks call its
+        # flags come from (its `block` argument, absent for the ops' default)
+        if funnel:
+            block = getattr(module, "block_size", None)
+        else:
+            block = BLOCK if cand is None else cand.kwargs.get("block", BLOCK)
         if funnel and (not isinstance(block, int) or block < 1):
             raise Mismatch(f"candidate block size {block}")
         if funnel and block != BLOCK and qv.device.type != "cpu":
@@ -214,7 +217,6 @@ class _Rewrite:
                 bm = self._node(operator.getitem, (scores, 1))
                 keep = self._node(torch.ops.dsv41c.candidate_blocks.default, (bm, vl32),
                                   {"topk_blocks": module.topk_blocks, **bk})
-                self.block_size[keep] = block
                 mask = self._node(aten.repeat_interleave.self_int, (keep, block, -1))
                 if str(_val(mask).shape[-1]) != str(_val(mask_out).shape[-1]):
                     mask = self._node(aten.slice.Tensor, (mask, 2, 0, self._sym(_val(mask_out).shape[-1], "n")))
