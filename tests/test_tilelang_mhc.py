@@ -249,10 +249,10 @@ def test_cuda_build_lowers_for_sm90():
         assert "cp_async_gs_conditional<16>" in src and f"cp_async_wait<{K._STAGES - 1}>" in src
 
 
-# (the fifth: each op with the number of blocks in flight that the other has by default; the last:
-# 12 streaming warps)
+# (the fifth: each op with the number of blocks in flight that the other has by default; the sixth:
+# 12 streaming warps; the last: the finalize folded into the kernel)
 WG_TUNINGS = ({}, {"_WG_KSPLIT": 2}, {"_WG_TPW": 1}, {"_WG_BLK": 24, "_WG_TPW": 3},
-              {"_WG_AHEAD_PRE": 1, "_WG_AHEAD_POST_PRE": 2}, {"_WG_BLK": 24, "_WG_TPW": 2})
+              {"_WG_AHEAD_PRE": 1, "_WG_AHEAD_POST_PRE": 2}, {"_WG_BLK": 24, "_WG_TPW": 2}, {"_WG_FOLD": 1})
 
 
 def _wg_tuning(monkeypatch, **tuning):
@@ -385,15 +385,16 @@ def test_cuda_post_collapse_lowers_for_sm90():
 # ----------------------------------------------------------------------------------- CUDA
 
 @pytest.mark.parametrize("dtype", ("bfloat16", "float32"))
-def test_cuda_finalize_lowers_for_sm90(dtype):
-    """The finalize kernel: after the column-resident mixing kernel (bf16 streams) its sums over the
-    column groups are unrolled loops over a K fixed at build (D / 256 = 20 groups); after the
-    other mixing kernel (fp32 streams, K picked per call) loops over the workspace's dynamic
-    leading dim. Either mixing kernel lets it launch early (programmatic dependent launch: a
-    trigger at the mixing kernel's start, the tag in the finalize's launch parameters, and its
-    wait before any workspace read)."""
+def test_cuda_finalize_lowers_for_sm90(dtype, monkeypatch):
+    """The finalize kernel: after the column-resident mixing kernel (bf16 streams, with the
+    finalize not folded in: `_WG_FOLD=0`) its sums over the column groups are unrolled loops over a
+    K fixed at build (D / 256 = 20 groups); after the other mixing kernel (fp32 streams, K picked
+    per call) loops over the workspace's dynamic leading dim. Either mixing kernel lets it launch
+    early (programmatic dependent launch: a trigger at the mixing kernel's start, the tag in the
+    finalize's launch parameters, and its wait before any workspace read)."""
     import tilelang
     from dsv41c.tilelang_kernels.quant import PDL_TAG, cuda_pass_configs
+    monkeypatch.setattr(K, "_WG_FOLD", 0)  # (the default)
     static = K.column_resident("post_pre", dtype, 5120)
     assert static == (dtype == "bfloat16")
     tgt = {"kind": "cuda", "arch": "sm_90a"}
@@ -413,6 +414,26 @@ def test_cuda_finalize_lowers_for_sm90(dtype):
     assert body.index("cudaGridDependencySynchronize();") < body.index("WS[")
     assert body.count("for (int k") == 2 and body.count(" < 20; ++k") == 2 * static
     assert body.count("#pragma unroll") >= 2 * static
+
+
+@pytest.mark.parametrize("kind", ("pre", "post_pre"))
+def test_cuda_folded_finalize_lowers_for_sm90(kind, monkeypatch):
+    """With `_WG_FOLD=1` the column-resident op is one kernel: no programmatic launch,
+    and after each block's epilogue the GEMM warpgroup draws the block's ticket and, the last of
+    the 20 column groups, sums the 20 partials of each coefficient in order (unrolled, read through
+    L2) and runs the finalize's Sinkhorn, as the finalize kernel does."""
+    monkeypatch.setattr(K, "_WG_FOLD", 1)
+    kernels = K.mhc_prim_funcs(kind, "bfloat16", 4, 5120, *HC.values(), "cuda")
+    assert [names[-2:] for names, _ in kernels] == [("WS", "TK")]
+    src = _sm90_source(kind, "bfloat16")
+    body = src[src.index("__global__ void __launch_bounds__"):]
+    assert "cudaTriggerProgrammaticLaunchCompletion" not in src and "cudaGridDependencySynchronize" not in src
+    assert body.count("dsv41c_ticket(TK, ") == 1 and ") == 19) {" in body
+    assert body.index("dsv41c_mbar_arrive(") < body.index("dsv41c_ticket(TK, ")  # the B tile freed first
+    fin = body[body.index("dsv41c_ticket(TK, "):]
+    assert fin.count(" < 20; ++k") == 2 and "WS[" not in fin and fin.count("dsv41c_ldcg(WS, ") == 4
+    assert "PRE[" in fin and "POST[" in fin and "COMB[" in fin and "__shfl_xor_sync" in fin
+    assert "atomicAdd(const_cast<int*>(tickets) + i, 1)" in src and src.count("bar.sync 1, 128;") == 2
 
 
 @pytest.mark.gpu

@@ -78,7 +78,9 @@ CUDA (sm_90a: wgmma needs the arch-specific target).
      its tail, and the finalize waits (griddepcontrol) before it reads the workspace.  After the
      column-resident kernel its K = D / 256 is fixed at build, so the K loops unroll.  (One thread per
      token, with the Sinkhorn's 39 normalisations serial in it, took 50 us at any T: ~99K cycles of
-     dependent divisions, more than the main kernel at T = 1.)
+     dependent divisions, more than the main kernel at T = 1.)  Prepared, not yet run on a GPU
+     (`_WG_FOLD`, off): the column-resident kernel running these lanes itself, block by block, in
+     the last CTA of each token block to finish it, so the op is one launch.
 """
 
 import functools
@@ -138,6 +140,14 @@ _WG_GEMM_REGS = 88
 # post_pre from 76% to 65% (its three sets spill).
 _WG_AHEAD_PRE = 2
 _WG_AHEAD_POST_PRE = 1
+# CUDA mixing kernel for bf16 streams: the finalize folded into it (1), or a kernel of its own
+# launched after it (0).  Folded, the GEMM warpgroup of the last of a token block's D / 256 CTAs to
+# store its partial mixes (a ticket per block) reduces the block's partials, read back from L2, and
+# runs the Sinkhorn, while its streaming warps go on: one launch, and no second pass over the
+# workspace from DRAM (the finalize kernel is 7-12% of an op's time on an H200, BENCHMARKS.md).
+# Prepared on the CPU host (it lowers, compiles for sm_90a without spills); not yet run on a GPU,
+# so off until it is checked and timed there.
+_WG_FOLD = 0
 
 
 def column_resident(kind: str, dtype: str, D: int) -> bool:
@@ -243,6 +253,7 @@ _SHAPES = {  # buffer name -> (shape, dtype) with N = tokens, S = stream dtype, 
     "H": ("NmD", "S"), "Y": ("ND", "S"), "RES": ("NmD", "S"), "HN": ("NmD", "S"), "X": ("ND", "S"),
     "PIN": ("Nm", "f"), "CIN": ("Nmm", "f"), "PD": ("Nm", "f"), "PRE": ("Nm", "f"), "POST": ("Nm", "f"),
     "COMB": ("Nmm", "f"), "FN": ("xF", "f"), "SC": ("3", "f"), "BASE": ("x", "f"), "WS": ("KNP", "f"),
+    "TK": ("N", "i"),
 }
 _PARAMS = {  # (kind, role) -> parameter names, inputs first
     ("pre", "c"): ("H", "FN", "SC", "BASE", "PD", "X", "PRE", "POST", "COMB"),
@@ -252,6 +263,10 @@ _PARAMS = {  # (kind, role) -> parameter names, inputs first
     ("post_pre", "main"): ("Y", "RES", "PIN", "CIN", "PD", "FN", "HN", "X", "WS"),
     ("post_collapse", "main"): ("Y", "RES", "PIN", "CIN", "PD", "HN", "X"),
     ("finalize", "main"): ("WS", "SC", "BASE", "PRE", "POST", "COMB"),
+    # the column-resident kernel with the finalize folded in (`_WG_FOLD`)
+    ("pre", "fold"): ("H", "FN", "SC", "BASE", "PD", "X", "PRE", "POST", "COMB", "WS", "TK"),
+    ("post_pre", "fold"): ("Y", "RES", "PIN", "CIN", "PD", "FN", "SC", "BASE", "HN", "X", "PRE", "POST", "COMB",
+                           "WS", "TK"),
 }
 
 
@@ -259,8 +274,9 @@ def _buffers(names, sdt, m, D, splits=1):
     """The T.Tensor types of `names` as attributes, with one symbolic token count N."""
     N = T.dynamic("N")
     dims = {"N": N, "m": m, "D": D, "3": 3, "x": 2 * m + m * m, "F": m * D, "K": splits, "P": _NPAD}
-    return SimpleNamespace(**{n: T.Tensor(tuple(dims[c] for c in _SHAPES[n][0]),
-                                          sdt if _SHAPES[n][1] == "S" else "float32") for n in names}), N
+    dtypes = {"S": sdt, "f": "float32", "i": "int32"}
+    return SimpleNamespace(**{n: T.Tensor(tuple(dims[c] for c in _SHAPES[n][0]), dtypes[_SHAPES[n][1]])
+                              for n in names}), N
 
 
 def _prim_func(names, S, body):
@@ -291,6 +307,17 @@ def _prim_func(names, S, body):
         def main(Y: S.Y, RES: S.RES, PIN: S.PIN, CIN: S.CIN, PD: S.PD, FN: S.FN,
                  HN: S.HN, X: S.X, WS: S.WS):
             body(dict(zip(names, (Y, RES, PIN, CIN, PD, FN, HN, X, WS))))
+    elif names == _PARAMS["pre", "fold"]:
+        @T.prim_func
+        def main(H: S.H, FN: S.FN, SC: S.SC, BASE: S.BASE, PD: S.PD, X: S.X,
+                 PRE: S.PRE, POST: S.POST, COMB: S.COMB, WS: S.WS, TK: S.TK):
+            body(dict(zip(names, (H, FN, SC, BASE, PD, X, PRE, POST, COMB, WS, TK))))
+    elif names == _PARAMS["post_pre", "fold"]:
+        @T.prim_func
+        def main(Y: S.Y, RES: S.RES, PIN: S.PIN, CIN: S.CIN, PD: S.PD, FN: S.FN,
+                 SC: S.SC, BASE: S.BASE, HN: S.HN, X: S.X, PRE: S.PRE, POST: S.POST,
+                 COMB: S.COMB, WS: S.WS, TK: S.TK):
+            body(dict(zip(names, (Y, RES, PIN, CIN, PD, FN, SC, BASE, HN, X, PRE, POST, COMB, WS, TK))))
     else:
         assert names == _PARAMS["finalize", "main"], names
 
@@ -365,7 +392,7 @@ def _cpu_prim_func(kind, dtype, m, D, norm_eps, hc_eps, iters):
 def mhc_prim_funcs(kind, dtype, m, D, norm_eps, hc_eps, iters, target):
     """[(parameter names, prim_func)] of one op: its C kernel on "c"; on "cuda" the main kernel
     (the mixes kernel, or for post_collapse the flat streaming kernel), then for the mixing kinds
-    the finalize kernel."""
+    the finalize kernel (none after the column-resident kernel with `_WG_FOLD`: it finalizes)."""
     if kind not in KINDS or dtype not in ("float32", "bfloat16") or m < 1 or D < 1:
         raise ValueError(f"mhc kernels: unknown kind/dtype/shape {kind!r}/{dtype!r}/m={m}/D={D}")
     if target == "c":
@@ -373,6 +400,8 @@ def mhc_prim_funcs(kind, dtype, m, D, norm_eps, hc_eps, iters, target):
     if kind == "post_collapse":
         return [_cuda_stream_prim_func(dtype, m, D)]
     if column_resident(kind, dtype, D):
+        if _WG_FOLD:
+            return [_cuda_wg_prim_func(kind, m, D, (norm_eps, hc_eps, iters))]
         main, splits = _cuda_wg_prim_func(kind, m, D), D // _CR_W
     else:
         main, splits = _cuda_mixes_prim_func(kind, dtype, m, D), None
@@ -425,8 +454,9 @@ def _signature(tensors) -> tuple:
 @functools.lru_cache(maxsize=1024)  # one entry per op, shape and device: the checks run once per key
 def _plan(kind, sig, eps):
     """Check an op's arguments from their `_signature` sig and plan its launch: (T, m, D, target,
-    ((kernel, positions of its parameters in inputs + outputs + workspace), ...), workspace shape
-    or None).  Raises ValueError naming the first bad argument."""
+    ((kernel, positions of its parameters in inputs + outputs + workspace + tickets), ...),
+    workspace shape or None, whether the kernels take tickets).  Raises ValueError naming the
+    first bad argument."""
     op, names = f"mhc_{kind}", _INPUTS[kind]
     shape0, sdt, device = sig[names.index(_LEAD[kind])]
     if len(shape0) != 3 or sdt not in _DTYPES:
@@ -445,14 +475,14 @@ def _plan(kind, sig, eps):
         raise ValueError(f"{op}: the CUDA build needs D % {DC} == 0, 2m + m^2 < {_NPAD} and at most "
                          f"{65535 * TB} tokens (grid y), got D={d}, m={m}, T={n}")
     if n == 0:  # nothing to launch (and nothing to build)
-        return n, m, d, target, (), None
+        return n, m, d, target, (), None, False
     ws = None
     if target != "c" and mixing:
         ws = (d // _CR_W if column_resident(kind, _DTYPES[sdt], d) else cuda_splits(d, n), n, _NPAD)
-    slots = (*names, *_OUTPUTS[kind], "WS")
-    kernels = tuple((kernel, tuple(slots.index(p) for p in params))
-                    for params, kernel in build(kind, _DTYPES[sdt], m, d, *eps, target))
-    return n, m, d, target, kernels, ws
+    slots = (*names, *_OUTPUTS[kind], "WS", "TK")
+    built = build(kind, _DTYPES[sdt], m, d, *eps, target)
+    kernels = tuple((kernel, tuple(slots.index(p) for p in params)) for params, kernel in built)
+    return n, m, d, target, kernels, ws, any("TK" in params for params, _ in built)
 
 
 def _kernel_arg(t: torch.Tensor, target: str) -> torch.Tensor:
@@ -466,8 +496,10 @@ def _kernel_arg(t: torch.Tensor, target: str) -> torch.Tensor:
 
 def _run(kind, inputs, eps, outputs):
     """Check the op's inputs (once per `_plan` key), allocate its outputs with `outputs(T, m, D)`,
-    run its kernels (the CUDA mixing kinds: over a fresh workspace) and return the outputs."""
-    n, m, d, target, kernels, ws = _plan(kind, _signature(inputs), eps)
+    run its kernels (the CUDA mixing kinds: over a fresh workspace; the folded finalize: with
+    zeroed tickets, an int per token of which the first of each block is used) and return the
+    outputs."""
+    n, m, d, target, kernels, ws, tickets = _plan(kind, _signature(inputs), eps)
     outs = outputs(n, m, d)
     if n:
         args = [_kernel_arg(t, target) for t in inputs]
@@ -477,6 +509,8 @@ def _run(kind, inputs, eps, outputs):
             args += outs
             if ws is not None:
                 args.append(outs[0].new_empty(ws, dtype=torch.float32))
+            if tickets:
+                args.append(outs[0].new_zeros(n, dtype=torch.int32))
         for kernel, slots in kernels:
             kernel(*[args[i] for i in slots])
     return outs
@@ -914,6 +948,29 @@ __device__ __forceinline__ void dsv41c_mbar_wait(const void* p, unsigned off, un
 """
 
 
+# CUDA, sm_90: the finalize folded into the wgmma kernel (`_WG_FOLD`).  A ticket per token block,
+# the int at `tickets` + i: each of the GEMM warpgroup's threads makes its workspace stores visible
+# device-wide, the warpgroup meets at named barrier 1, its thread 0 draws the ticket into the
+# shared word at offset off of the kernel's shared memory, and the fence after the second meeting
+# orders the last CTA's workspace reads after every CTA's stores.
+_TICKET_PRELUDE = """
+__device__ __forceinline__ int dsv41c_ticket(const int* tickets, int i, const void* p, unsigned off, int tx) {
+  __threadfence();
+  asm volatile("bar.sync 1, 128;" ::: "memory");
+  if (tx == 0) {  // (TileLang declares the tickets const: it sees no store to them)
+    int v = atomicAdd(const_cast<int*>(tickets) + i, 1);
+    asm volatile("st.shared.b32 [%0], %1;" :: "r"(dsv41c_sbase(p) + off), "r"(v) : "memory");
+  }
+  asm volatile("bar.sync 1, 128;" ::: "memory");
+  int v;
+  asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(dsv41c_sbase(p) + off) : "memory");
+  __threadfence();
+  return __shfl_sync(0xFFFFFFFFu, v, 0);
+}
+__device__ __forceinline__ float dsv41c_ldcg(const float* p, long long i) { return __ldcg(p + i); }
+"""
+
+
 class _WgLayout:
     """Byte offsets in the wgmma mixing kernel's shared memory (from the 1024-aligned base): fn^T's
     two pieces (the A operand), then two B tiles of h^T.  Both are K-major with the 128-byte
@@ -966,7 +1023,7 @@ __device__ __forceinline__ void dsv41c_wgmma_n{n}(float* d, const void* p, unsig
 """
 
 
-def _cuda_wg_prim_func(kind, m, D):
+def _cuda_wg_prim_func(kind, m, D, fin=None):
     """The column-resident wgmma mixing kernel for bf16 streams (module docstring, CUDA step 1).
 
     Grid (G = D / W column groups, P token groups), W = `_CR_W` = 256 columns of every stream per
@@ -1003,10 +1060,18 @@ def _cuda_wg_prim_func(kind, m, D):
       warpgroup (`_WG_GEMM_REGS`) to the streaming warps.  The wgmma and their waits sit in
       branches on a warp-uniform warpgroup index, and the epilogue reads every accumulator
       unconditionally: ptxas serialises every wgmma otherwise.
+    - With fin = (norm_eps, hc_eps, iters) (`_WG_FOLD`, prepared, not yet run on a GPU), the
+      finalize is folded in: after a block's epilogue and its empty arrive, the GEMM warpgroup
+      draws the block's ticket (`_TICKET_PRELUDE`, an int a block in TK, zeroed by the caller);
+      the CTA that draws G - 1 stored its partials last, and its GEMM warpgroup runs the finalize
+      kernel's lanes (`_finalize_lanes_macro`, the same sums in the same order, so the same
+      results) for the block's tokens, in rounds of 128 // (lanes a token) tokens, reading the
+      partials through L2 (`ld.global.cg`).  Its streaming warps are not held up: the next B tile
+      is already theirs, and the one after waits only for that block's GEMM.
     The wgmma are issued through inline PTX (`_WGMMA_PRELUDE`): TileLang's T.gemm divides a GEMM
     over all the CTA's threads."""
     expand = kind == "post_pre"
-    names = _PARAMS[kind, "main"]
+    names = _PARAMS[kind, "main" if fin is None else "fold"]
     W, BLK, TPW, KS = _CR_W, _WG_BLK, _WG_TPW, _WG_KSPLIT
     AH = _WG_AHEAD_POST_PRE if expand else _WG_AHEAD_PRE  # blocks in flight
     NWp = BLK // TPW  # streaming warps
@@ -1035,9 +1100,15 @@ def _cuda_wg_prim_func(kind, m, D):
     # the coefficients a fetch shares out: a warp's own tokens' over its lanes, ncv a lane
     ncoef = TPW * ncf
     ncv = -(-ncoef // 32)
-    mb = L.a_bytes + 2 * L.b_bytes  # the mbarriers full[0], full[1], empty[0], empty[1], 8 bytes each
+    # the mbarriers full[0], full[1], empty[0], empty[1], 8 bytes each (then the ticket word)
+    mb = L.a_bytes + 2 * L.b_bytes
     mul, add = _arith(True)
-    prelude = _PACK_BF16X2 + _RUNNING_ADDRS + _WGMMA_PRELUDE + _MBAR_PRELUDE + _wgmma_fn(BLK) + "".join(
+    if fin is not None:  # the finalize of a block by its last CTA: G lanes a token, rounds of the warpgroup
+        GL, lanes = _finalize_lanes_macro(m, D, *fin, functools.partial(T.unroll, 1, G), lambda B, k, t, col: (
+            T.call_extern("float32", "dsv41c_ldcg", B["WS"].data, (T.Cast("int64", k) * N + t) * _NPAD + col)))
+        rounds = -(-BLK // (128 // GL))
+    prelude = _PACK_BF16X2 + _RUNNING_ADDRS + _WGMMA_PRELUDE + _MBAR_PRELUDE + (
+        _TICKET_PRELUDE if fin is not None else "") + _wgmma_fn(BLK) + "".join(
         f"""
 __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("setmaxnreg.{op}.sync.aligned.u32 {r};"); }}
 """ for op, r in (("dec", _WG_GEMM_REGS), ("inc", r_st)))
@@ -1209,8 +1280,9 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
     def body(B):
         with T.Kernel(G, T.min(T.ceildiv(N, BLK), pmax), threads=nth, prelude=prelude) as (bg, bp):
             tx = T.get_thread_binding()
-            TCU.pdl_trigger()  # the finalize kernel may launch once every CTA of this one has started
-            SMB = T.alloc_shared((L.smem // 4 + 8,), "uint32")  # + the four mbarriers
+            if fin is None:
+                TCU.pdl_trigger()  # the finalize kernel may launch once every CTA of this one has started
+            SMB = T.alloc_shared((L.smem // 4 + 9,), "uint32")  # + the four mbarriers, the block's ticket
             Cos = T.alloc_shared((2, BLK, ncf), "float32")
             SQ = T.alloc_shared((2, BLK), "float32")
             fv = T.alloc_local((4,), "float32")
@@ -1297,6 +1369,15 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
                     T.call_extern("handle", "dsv41c_wgmma_wait")
                     epilogue(B, R, bp + i * PV, i % 2, tx - 128 * gw, bg)
                     T.call_extern("handle", "dsv41c_mbar_arrive", sm, mb + 16 + 8 * (i % 2))
+                    if fin is not None:
+                        # the block's G CTAs each draw a ticket after their workspace stores; the
+                        # last finalizes the block's tokens from all G partials (in L2)
+                        if T.call_extern("int32", "dsv41c_ticket", B["TK"].data, (bp + i * PV) * BLK, sm, mb + 32,
+                                         tx - 128 * gw) == G - 1:
+                            for rd in T.unroll(rounds):
+                                r = rd * (128 // GL) + (tx - 128 * gw) // GL
+                                lanes(B, (bp + i * PV) * BLK + r, (tx - 128 * gw) % GL,
+                                      T.And(r < BLK, (bp + i * PV) * BLK + r < N))
             else:
                 if r_st > r0:
                     T.call_extern("handle", f"dsv41c_setmaxnreg_inc{r_st}")
@@ -1309,23 +1390,82 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
     return names, _prim_func(names, S, body).with_attr(NO_SYNC_ATTR, 1)
 
 
-def _cuda_finalize_prim_func(m, D, norm_eps, hc_eps, iters, splits=None):
-    """A group of G lanes per token (module docstring, CUDA step 2): lane l = i * mp + j holds
-    comb entry (i, j) (mp = m rounded up to a power of two; lanes with i or j >= m hold 0), so a
-    row sum is a butterfly over the j bits of the lane and a column sum over the i bits; lanes
-    0 .. 2m-1 also hold pre and post, lane 2m the sum of squares."""
-    names = _PARAMS["finalize", "main"]
-    fixed = splits is not None
-    splits = splits if fixed else T.dynamic("K")
-    S, N = _buffers(names, "float32", m, D, splits)
-    ks = functools.partial(T.unroll, 1, splits) if fixed else functools.partial(T.serial, 1, splits)
+def _finalize_lanes_macro(m, D, norm_eps, hc_eps, iters, ks, load):
+    """The CUDA finalize of one token by a group of G lanes (module docstring, CUDA step 2): lane
+    l = i * mp + j holds comb entry (i, j) (mp = m rounded up to a power of two; lanes with i or j
+    >= m hold 0), so a row sum is a butterfly over the j bits of the lane and a column sum over the
+    i bits; lanes 0 .. 2m-1 also hold pre and post, lane 2m the sum of squares.  (G, macro): the
+    macro takes the buffers, the token t, the lane ln (0 .. G-1) and whether t is the group's to
+    store (every lane runs the shuffles); ks() iterates the column groups 1 .. K-1 and load(B, k,
+    t, col) reads workspace element [k, t, col]."""
     mix = 2 * m + m * m
     mp = 1 << (m - 1).bit_length()
     G = max(mp * mp, 1 << (2 * m).bit_length())  # lanes per token: the comb entries and 2m + 1
     rows = [1 << b for b in range(mp.bit_length() - 1)]  # xor offsets over j (within a row)
     cols = [mp << b for b in range(mp.bit_length() - 1)]  # over i (within a column)
-    threads = 128
     eps = _f32_const(hc_eps)
+
+    @T.macro
+    def lanes(B, t, ln, mine):
+        i, j = ln // mp, ln % mp
+        ok = T.And(i < m, j < m)
+        a = T.alloc_var("float32")  # comb's dot product (entry i, j)
+        b = T.alloc_var("float32")  # pre/post's dot product (lanes < 2m), the sum of squares (2m)
+        c = T.alloc_var("float32")
+        r = T.alloc_var("float32")
+        s = T.alloc_var("float32")
+        q = T.alloc_var("int32")  # the coefficient in b: pre/post 0..2m-1, the sum of squares (mix)
+        a = T.float32(0)
+        b = T.float32(0)
+        q = T.if_then_else(ln < 2 * m, ln, mix)
+        # the K partial sums in order, each lane its own coefficients (every lane runs the
+        # shuffles below, also for a token not its group's: their values are never stored)
+        if mine:
+            if ok:
+                a = load(B, 0, t, 2 * m + i * m + j)
+                for k in ks():
+                    a = a + load(B, k, t, 2 * m + i * m + j)
+            if ln <= 2 * m:
+                b = load(B, 0, t, q)
+                for k in ks():
+                    b = b + load(B, k, t, q)
+        r = T.float32(1) / T.sqrt(T.shfl_sync(b, 2 * m, G) / T.float32(m * D) + _f32_const(norm_eps))
+        if mine:
+            if ln < m:
+                B["PRE"][t, ln] = T.sigmoid(b * r * B["SC"][0] + B["BASE"][ln]) + eps
+            elif ln < 2 * m:
+                B["POST"][t, ln - m] = T.float32(2) * T.sigmoid(b * r * B["SC"][1] + B["BASE"][ln])
+        # row softmax (lanes outside the matrix: -3e38 for the max, 0 after it), then + eps
+        a = a * r * B["SC"][2] + B["BASE"][T.if_then_else(ok, 2 * m + i * m + j, 0)]
+        c = T.if_then_else(ok, a, -_f32_const(3.0e38))
+        for o in rows:
+            c = T.max(c, T.shfl_xor(c, o))
+        a = T.if_then_else(ok, T.exp(a - c), T.float32(0))
+        s = a
+        for o in rows:
+            s = s + T.shfl_xor(s, o)
+        c = T.if_then_else(ok, a / s + eps, T.float32(0))
+        # column, then (row, column) x (iters - 1): c /= (its column's or row's sum + eps)
+        for it in T.serial(2 * iters - 1):
+            s = c
+            for o in cols:
+                s = s + T.shfl_xor(s, T.if_then_else(it % 2 == 0, o, o // mp))
+            c = c / (s + eps)
+        if mine and ok:
+            B["COMB"][t, i, j] = c
+
+    return G, lanes
+
+
+def _cuda_finalize_prim_func(m, D, norm_eps, hc_eps, iters, splits=None):
+    """The finalize kernel: a group of G lanes per token (`_finalize_lanes_macro`)."""
+    names = _PARAMS["finalize", "main"]
+    fixed = splits is not None
+    splits = splits if fixed else T.dynamic("K")
+    S, N = _buffers(names, "float32", m, D, splits)
+    ks = functools.partial(T.unroll, 1, splits) if fixed else functools.partial(T.serial, 1, splits)
+    G, lanes = _finalize_lanes_macro(m, D, norm_eps, hc_eps, iters, ks, lambda B, k, t, col: B["WS"][k, t, col])
+    threads = 128
 
     @T.macro
     def body(B):
@@ -1333,52 +1473,6 @@ def _cuda_finalize_prim_func(m, D, norm_eps, hc_eps, iters, splits=None):
             tx = T.get_thread_binding()
             TCU.pdl_sync()  # launched early (programmatic launch): wait for the mixing kernel's workspace
             t = bx * (threads // G) + tx // G
-            ln = tx % G
-            i, j = ln // mp, ln % mp
-            ok = T.And(i < m, j < m)
-            a = T.alloc_var("float32")  # comb's dot product (entry i, j)
-            b = T.alloc_var("float32")  # pre/post's dot product (lanes < 2m), the sum of squares (2m)
-            c = T.alloc_var("float32")
-            r = T.alloc_var("float32")
-            s = T.alloc_var("float32")
-            q = T.alloc_var("int32")  # the coefficient in b: pre/post 0..2m-1, the sum of squares (mix)
-            a = T.float32(0)
-            b = T.float32(0)
-            q = T.if_then_else(ln < 2 * m, ln, mix)
-            # the K partial sums in order, each lane its own coefficients (every lane runs the
-            # shuffles below, also past N: their values are never stored)
-            if t < N:
-                if ok:
-                    a = B["WS"][0, t, 2 * m + i * m + j]
-                    for k in ks():
-                        a = a + B["WS"][k, t, 2 * m + i * m + j]
-                if ln <= 2 * m:
-                    b = B["WS"][0, t, q]
-                    for k in ks():
-                        b = b + B["WS"][k, t, q]
-            r = T.float32(1) / T.sqrt(T.shfl_sync(b, 2 * m, G) / T.float32(m * D) + _f32_const(norm_eps))
-            if t < N:
-                if ln < m:
-                    B["PRE"][t, ln] = T.sigmoid(b * r * B["SC"][0] + B["BASE"][ln]) + eps
-                elif ln < 2 * m:
-                    B["POST"][t, ln - m] = T.float32(2) * T.sigmoid(b * r * B["SC"][1] + B["BASE"][ln])
-            # row softmax (lanes outside the matrix: -3e38 for the max, 0 after it), then + eps
-            a = a * r * B["SC"][2] + B["BASE"][T.if_then_else(ok, 2 * m + i * m + j, 0)]
-            c = T.if_then_else(ok, a, -_f32_const(3.0e38))
-            for o in rows:
-                c = T.max(c, T.shfl_xor(c, o))
-            a = T.if_then_else(ok, T.exp(a - c), T.float32(0))
-            s = a
-            for o in rows:
-                s = s + T.shfl_xor(s, o)
-            c = T.if_then_else(ok, a / s + eps, T.float32(0))
-            # column, then (row, column) x (iters - 1): c /= (its column's or row's sum + eps)
-            for it in T.serial(2 * iters - 1):
-                s = c
-                for o in cols:
-                    s = s + T.shfl_xor(s, T.if_then_else(it % 2 == 0, o, o // mp))
-                c = c / (s + eps)
-            if t < N and ok:
-                B["COMB"][t, i, j] = c
+            lanes(B, t, tx % G, t < N)
 
     return names, _prim_func(names, S, body)
