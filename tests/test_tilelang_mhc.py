@@ -250,9 +250,11 @@ def test_cuda_build_lowers_for_sm90():
 
 
 # (the fifth: each op with the number of blocks in flight that the other has by default; the sixth:
-# 12 streaming warps; the last: the finalize folded into the kernel)
+# 12 streaming warps; the last two: the finalize folded into the kernel, the second with its
+# workspace rows dropped from L2, and blocks of 24 tokens: three rounds of 8)
 WG_TUNINGS = ({}, {"_WG_KSPLIT": 2}, {"_WG_TPW": 1}, {"_WG_BLK": 24, "_WG_TPW": 3},
-              {"_WG_AHEAD_PRE": 1, "_WG_AHEAD_POST_PRE": 2}, {"_WG_BLK": 24, "_WG_TPW": 2}, {"_WG_FOLD": 1})
+              {"_WG_AHEAD_PRE": 1, "_WG_AHEAD_POST_PRE": 2}, {"_WG_BLK": 24, "_WG_TPW": 2}, {"_WG_FOLD": 1},
+              {"_WG_FOLD": 2, "_WG_BLK": 24, "_WG_TPW": 3})
 
 
 def _wg_tuning(monkeypatch, **tuning):
@@ -304,7 +306,7 @@ def test_cuda_wgmma_kernel_lowers_for_sm90(kind, tuning, monkeypatch):
 
 
 @pytest.mark.parametrize("tuning", ({"_WG_BLK": 20}, {"_WG_TPW": 8}, {"_WG_KSPLIT": 3}, {"_WG_AHEAD_PRE": 0},
-                                    {"_WG_AHEAD_POST_PRE": -1}),
+                                    {"_WG_AHEAD_POST_PRE": -1}, {"_WG_FOLD": 3}),
                          ids=lambda t: ",".join(f"{k}={v}" for k, v in t.items()))
 def test_wgmma_kernel_refuses_an_invalid_tuning(tuning, monkeypatch):
     """A tuning the kernel cannot be built with (`benchmarks/mhc.py --set`) is a ValueError naming it."""
@@ -416,13 +418,15 @@ def test_cuda_finalize_lowers_for_sm90(dtype, monkeypatch):
     assert body.count("#pragma unroll") >= 2 * static
 
 
+@pytest.mark.parametrize("fold", (1, 2))
 @pytest.mark.parametrize("kind", ("pre", "post_pre"))
-def test_cuda_folded_finalize_lowers_for_sm90(kind, monkeypatch):
+def test_cuda_folded_finalize_lowers_for_sm90(kind, fold, monkeypatch):
     """With `_WG_FOLD=1` the column-resident op is one kernel: no programmatic launch,
     and after each block's epilogue the GEMM warpgroup draws the block's ticket and, the last of
     the 20 column groups, sums the 20 partials of each coefficient in order (unrolled, read through
-    L2) and runs the finalize's Sinkhorn, as the finalize kernel does."""
-    monkeypatch.setattr(K, "_WG_FOLD", 1)
+    L2) and runs the finalize's Sinkhorn, as the finalize kernel does; with `_WG_FOLD=2` each
+    round of the finalize then drops its tokens' workspace rows from L2."""
+    monkeypatch.setattr(K, "_WG_FOLD", fold)
     kernels = K.mhc_prim_funcs(kind, "bfloat16", 4, 5120, *HC.values(), "cuda")
     assert [names[-2:] for names, _ in kernels] == [("WS", "TK")]
     src = _sm90_source(kind, "bfloat16")
@@ -430,10 +434,13 @@ def test_cuda_folded_finalize_lowers_for_sm90(kind, monkeypatch):
     assert "cudaTriggerProgrammaticLaunchCompletion" not in src and "cudaGridDependencySynchronize" not in src
     assert body.count("dsv41c_ticket(TK, ") == 1 and ") == 19) {" in body
     assert body.index("dsv41c_mbar_arrive(") < body.index("dsv41c_ticket(TK, ")  # the B tile freed first
-    fin = body[body.index("dsv41c_ticket(TK, "):]
+    fin = body[body.index("dsv41c_ticket(TK, "):body.index("dsv41c_setmaxnreg_inc")]  # up to the streaming warps
     assert fin.count(" < 20; ++k") == 2 and "WS[" not in fin and fin.count("dsv41c_ldcg(WS, ") == 4
     assert "PRE[" in fin and "POST[" in fin and "COMB[" in fin and "__shfl_xor_sync" in fin
     assert "atomicAdd(const_cast<int*>(tickets) + i, 1)" in src and src.count("bar.sync 1, 128;") == 2
+    # fold 2: a discard in each round (a loop, unrolled), after the warp's lanes are done
+    assert fin.count("dsv41c_discard(WS, ") == (fold == 2)
+    assert ("__syncwarp()" in fin) == (fold == 2)
 
 
 @pytest.mark.gpu

@@ -140,7 +140,8 @@ _WG_GEMM_REGS = 88
 # post_pre from 76% to 65% (its three sets spill).
 _WG_AHEAD_PRE = 2
 _WG_AHEAD_POST_PRE = 1
-# CUDA mixing kernel for bf16 streams: the finalize folded into it (1), or a kernel of its own
+# CUDA mixing kernel for bf16 streams: the finalize folded into it (1; 2: and the workspace's rows
+# dropped from L2 once read, so they are never written back to DRAM), or a kernel of its own
 # launched after it (0).  Folded, the GEMM warpgroup of the last of a token block's D / 256 CTAs to
 # store its partial mixes (a ticket per block) reduces the block's partials, read back from L2, and
 # runs the Sinkhorn, while its streaming warps go on: one launch, and no second pass over the
@@ -400,6 +401,8 @@ def mhc_prim_funcs(kind, dtype, m, D, norm_eps, hc_eps, iters, target):
     if kind == "post_collapse":
         return [_cuda_stream_prim_func(dtype, m, D)]
     if column_resident(kind, dtype, D):
+        if _WG_FOLD not in (0, 1, 2):
+            raise ValueError(f"mHC wgmma kernel tuning: _WG_FOLD={_WG_FOLD}: needs 0, 1 or 2")
         if _WG_FOLD:
             return [_cuda_wg_prim_func(kind, m, D, (norm_eps, hc_eps, iters))]
         main, splits = _cuda_wg_prim_func(kind, m, D), D // _CR_W
@@ -968,6 +971,9 @@ __device__ __forceinline__ int dsv41c_ticket(const int* tickets, int i, const vo
   return __shfl_sync(0xFFFFFFFFu, v, 0);
 }
 __device__ __forceinline__ float dsv41c_ldcg(const float* p, long long i) { return __ldcg(p + i); }
+__device__ __forceinline__ void dsv41c_discard(const float* p, long long i) {
+  asm volatile("discard.global.L2 [%0], 128;" :: "l"(p + i) : "memory");
+}
 """
 
 
@@ -1067,7 +1073,9 @@ def _cuda_wg_prim_func(kind, m, D, fin=None):
       kernel's lanes (`_finalize_lanes_macro`, the same sums in the same order, so the same
       results) for the block's tokens, in rounds of 128 // (lanes a token) tokens, reading the
       partials through L2 (`ld.global.cg`).  Its streaming warps are not held up: the next B tile
-      is already theirs, and the one after waits only for that block's GEMM.
+      is already theirs, and the one after waits only for that block's GEMM.  `_WG_FOLD=2` also
+      drops each round's workspace rows from L2 once its warps have used them
+      (`discard.global.L2`), so the partials never go back to DRAM.
     The wgmma are issued through inline PTX (`_WGMMA_PRELUDE`): TileLang's T.gemm divides a GEMM
     over all the CTA's threads."""
     expand = kind == "post_pre"
@@ -1107,6 +1115,20 @@ def _cuda_wg_prim_func(kind, m, D, fin=None):
         GL, lanes = _finalize_lanes_macro(m, D, *fin, functools.partial(T.unroll, 1, G), lambda B, k, t, col: (
             T.call_extern("float32", "dsv41c_ldcg", B["WS"].data, (T.Cast("int64", k) * N + t) * _NPAD + col)))
         rounds = -(-BLK // (128 // GL))
+        wlines = 32 // GL * G  # workspace rows (128 B each) of a warp's tokens in a round
+
+        @T.macro
+        def discard(B, blk, rd, g):
+            """`_WG_FOLD=2`: after round rd of block blk's finalize, GEMM thread g's share of its warp's
+            tokens' workspace rows dropped from L2 unwritten (`discard.global.L2`): their values are
+            read (and used) by the warp's lanes alone, and never again."""
+            T.call_extern("handle", "__syncwarp")
+            for e in T.unroll(-(-wlines // 32)):
+                v = e * 32 + g % 32
+                r = rd * (128 // GL) + g // 32 * (32 // GL) + v // G
+                if T.And(v < wlines, T.And(r < BLK, blk * BLK + r < N)):
+                    T.call_extern("handle", "dsv41c_discard", B["WS"].data,
+                                  (T.Cast("int64", v % G) * N + blk * BLK + r) * _NPAD)
     prelude = _PACK_BF16X2 + _RUNNING_ADDRS + _WGMMA_PRELUDE + _MBAR_PRELUDE + (
         _TICKET_PRELUDE if fin is not None else "") + _wgmma_fn(BLK) + "".join(
         f"""
@@ -1378,6 +1400,8 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
                                 r = rd * (128 // GL) + (tx - 128 * gw) // GL
                                 lanes(B, (bp + i * PV) * BLK + r, (tx - 128 * gw) % GL,
                                       T.And(r < BLK, (bp + i * PV) * BLK + r < N))
+                                if _WG_FOLD == 2:
+                                    discard(B, bp + i * PV, rd, tx - 128 * gw)
             else:
                 if r_st > r0:
                     T.call_extern("handle", f"dsv41c_setmaxnreg_inc{r_st}")
