@@ -1397,11 +1397,15 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
                         if T.call_extern("int32", "dsv41c_ticket", B["TK"].data, (bp + i * PV) * BLK, sm, mb + 32,
                                          tx - 128 * gw) == G - 1:
                             for rd in T.unroll(rounds):
-                                r = rd * (128 // GL) + (tx - 128 * gw) // GL
-                                lanes(B, (bp + i * PV) * BLK + r, (tx - 128 * gw) % GL,
-                                      T.And(r < BLK, (bp + i * PV) * BLK + r < N))
-                                if _WG_FOLD == 2:
-                                    discard(B, bp + i * PV, rd, tx - 128 * gw)
+                                # (a warp whose tokens in this round all lie past the block or N
+                                # skips it: its shuffles stay within the warp)
+                                if (rd * (128 // GL) + (tx - 128 * gw) // 32 * (32 // GL)
+                                        < T.min(BLK, N - (bp + i * PV) * BLK)):
+                                    r = rd * (128 // GL) + (tx - 128 * gw) // GL
+                                    lanes(B, (bp + i * PV) * BLK + r, (tx - 128 * gw) % GL,
+                                          T.And(r < BLK, (bp + i * PV) * BLK + r < N))
+                                    if _WG_FOLD == 2:
+                                        discard(B, bp + i * PV, rd, tx - 128 * gw)
             else:
                 if r_st > r0:
                     T.call_extern("handle", f"dsv41c_setmaxnreg_inc{r_st}")
