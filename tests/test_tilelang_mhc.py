@@ -22,6 +22,7 @@ What must hold:
     DESIGN.md's 2e-2 bf16 bound.
 """
 
+import re
 import secrets
 
 import pytest
@@ -250,11 +251,12 @@ def test_cuda_build_lowers_for_sm90():
 
 
 # (the fifth: each op with the number of blocks in flight that the other has by default; the sixth:
-# 12 streaming warps; the last two: the finalize folded into the kernel, the second with its
-# workspace rows dropped from L2, and blocks of 24 tokens: three rounds of 8)
+# 12 streaming warps; the last three: the finalize folded into the kernel, by the last CTA of a
+# block or through the queue, the third with the workspace rows dropped from L2 and blocks of 24
+# tokens: three rounds of 8)
 WG_TUNINGS = ({}, {"_WG_KSPLIT": 2}, {"_WG_TPW": 1}, {"_WG_BLK": 24, "_WG_TPW": 3},
               {"_WG_AHEAD_PRE": 1, "_WG_AHEAD_POST_PRE": 2}, {"_WG_BLK": 24, "_WG_TPW": 2}, {"_WG_FOLD": 1},
-              {"_WG_FOLD": 2, "_WG_BLK": 24, "_WG_TPW": 3})
+              {"_WG_FOLD": 2}, {"_WG_FOLD": 2, "_WG_DISCARD": 1, "_WG_BLK": 24, "_WG_TPW": 3})
 
 
 def _wg_tuning(monkeypatch, **tuning):
@@ -306,7 +308,7 @@ def test_cuda_wgmma_kernel_lowers_for_sm90(kind, tuning, monkeypatch):
 
 
 @pytest.mark.parametrize("tuning", ({"_WG_BLK": 20}, {"_WG_TPW": 8}, {"_WG_KSPLIT": 3}, {"_WG_AHEAD_PRE": 0},
-                                    {"_WG_AHEAD_POST_PRE": -1}, {"_WG_FOLD": 3}),
+                                    {"_WG_AHEAD_POST_PRE": -1}, {"_WG_FOLD": 3}, {"_WG_DISCARD": 2}),
                          ids=lambda t: ",".join(f"{k}={v}" for k, v in t.items()))
 def test_wgmma_kernel_refuses_an_invalid_tuning(tuning, monkeypatch):
     """A tuning the kernel cannot be built with (`benchmarks/mhc.py --set`) is a ValueError naming it."""
@@ -418,29 +420,35 @@ def test_cuda_finalize_lowers_for_sm90(dtype, monkeypatch):
     assert body.count("#pragma unroll") >= 2 * static
 
 
-@pytest.mark.parametrize("fold", (1, 2))
+@pytest.mark.parametrize("fold,discard", ((1, 0), (2, 0), (1, 1), (2, 1)))
 @pytest.mark.parametrize("kind", ("pre", "post_pre"))
-def test_cuda_folded_finalize_lowers_for_sm90(kind, fold, monkeypatch):
-    """With `_WG_FOLD=1` the column-resident op is one kernel: no programmatic launch,
-    and after each block's epilogue the GEMM warpgroup draws the block's ticket and, the last of
-    the 20 column groups, sums the 20 partials of each coefficient in order (unrolled, read through
-    L2) and runs the finalize's Sinkhorn, as the finalize kernel does; with `_WG_FOLD=2` each
-    round of the finalize then drops its tokens' workspace rows from L2."""
+def test_cuda_folded_finalize_lowers_for_sm90(kind, fold, discard, monkeypatch):
+    """With `_WG_FOLD` 1 or 2 the column-resident op is one kernel, without a programmatic launch.
+    After each block's epilogue and the release of its B tile, the GEMM warpgroup draws the block's
+    ticket (`dsv41c_fold_next`, G = 20 column groups); the block it is handed, if any, it finalizes:
+    the 20 partials of each coefficient summed in order (unrolled, read through L2), then the
+    finalize's Sinkhorn, as the finalize kernel does. With the queue (2) the warpgroup drains the
+    queue after its last block, in a loop that ends on -1. With `_WG_DISCARD` each round of a
+    finalize then drops its tokens' workspace rows from L2."""
     monkeypatch.setattr(K, "_WG_FOLD", fold)
+    monkeypatch.setattr(K, "_WG_DISCARD", discard)
     kernels = K.mhc_prim_funcs(kind, "bfloat16", 4, 5120, *HC.values(), "cuda")
     assert [names[-2:] for names, _ in kernels] == [("WS", "TK")]
     src = _sm90_source(kind, "bfloat16")
     body = src[src.index("__global__ void __launch_bounds__"):]
     assert "cudaTriggerProgrammaticLaunchCompletion" not in src and "cudaGridDependencySynchronize" not in src
-    assert body.count("dsv41c_ticket(TK, ") == 1 and ") == 19) {" in body
-    assert body.index("dsv41c_mbar_arrive(") < body.index("dsv41c_ticket(TK, ")  # the B tile freed first
-    fin = body[body.index("dsv41c_ticket(TK, "):body.index("dsv41c_setmaxnreg_inc")]  # up to the streaming warps
-    assert fin.count(" < 20; ++k") == 2 and "WS[" not in fin and fin.count("dsv41c_ldcg(WS, ") == 4
-    assert "PRE[" in fin and "POST[" in fin and "COMB[" in fin and "__shfl_xor_sync" in fin
-    assert "atomicAdd(const_cast<int*>(tickets) + i, 1)" in src and src.count("bar.sync 1, 128;") == 2
-    # fold 2: a discard in each round (a loop, unrolled), after the warp's lanes are done
-    assert fin.count("dsv41c_discard(WS, ") == (fold == 2)
-    assert ("__syncwarp()" in fin) == (fold == 2)
+    assert "atomicAdd(q + blk, 1) == G - 1" in src and src.count("bar.sync 1, 128;") == 2
+    assert body.index("dsv41c_mbar_arrive(") < body.index("dsv41c_fold_next(TK, ")  # the B tile freed first
+    fin = body[body.index("nx = dsv41c_fold_next(TK, "):body.index("dsv41c_setmaxnreg_inc")]  # to the streaming warps
+    # the call after each block (queue: one more before the drain and one in it); the block's own
+    # number, G, the blocks' count, and whether there is a queue
+    calls = re.findall(r"nx = dsv41c_fold_next\(TK, ([^\n]*?), 20, \(\(N \+ 15\) >> 4\), (\d), sm, ", fin)
+    assert [(c[0] == "-1", c[1]) for c in calls] == [(False, str(fold - 1))] + [(True, "1")] * 2 * (fold == 2)
+    assert ("while (1) {" in fin) == (fold == 2)
+    # a finalize where a block is handed out (and one in the drain)
+    assert fin.count(" < 20; ++k") == 2 * fold and "WS[" not in fin and fin.count("dsv41c_ldcg(WS, ") == 4 * fold
+    assert fin.count("PRE[") == fin.count("POST[") == fin.count("COMB[") == fold and "__shfl_xor_sync" in fin
+    assert fin.count("dsv41c_discard(WS, ") == fold * discard and ("__syncwarp()" in fin) == bool(discard)
 
 
 @pytest.mark.gpu

@@ -80,7 +80,8 @@ CUDA (sm_90a: wgmma needs the arch-specific target).
      token, with the Sinkhorn's 39 normalisations serial in it, took 50 us at any T: ~99K cycles of
      dependent divisions, more than the main kernel at T = 1.)  Prepared, not yet run on a GPU
      (`_WG_FOLD`, off): the column-resident kernel running these lanes itself, block by block, in
-     the last CTA of each token block to finish it, so the op is one launch.
+     the last CTA of each token block to finish it or in whichever CTA takes the block from a
+     queue, so the op is one launch.
 """
 
 import functools
@@ -140,15 +141,20 @@ _WG_GEMM_REGS = 88
 # post_pre from 76% to 65% (its three sets spill).
 _WG_AHEAD_PRE = 2
 _WG_AHEAD_POST_PRE = 1
-# CUDA mixing kernel for bf16 streams: the finalize folded into it (1; 2: and the workspace's rows
-# dropped from L2 once read, so they are never written back to DRAM), or a kernel of its own
-# launched after it (0).  Folded, the GEMM warpgroup of the last of a token block's D / 256 CTAs to
-# store its partial mixes (a ticket per block) reduces the block's partials, read back from L2, and
-# runs the Sinkhorn, while its streaming warps go on: one launch, and no second pass over the
-# workspace from DRAM (the finalize kernel is 7-12% of an op's time on an H200, BENCHMARKS.md).
-# Prepared on the CPU host (it lowers, compiles for sm_90a without spills); not yet run on a GPU,
-# so off until it is checked and timed there.
+# CUDA mixing kernel for bf16 streams: the finalize a kernel of its own launched after it (0), or
+# folded into it: the last of a token block's D / 256 CTAs to store its partial mixes (a ticket a
+# block) finalizes the block itself (1), or publishes it in a queue from which any CTA's GEMM
+# warpgroup takes one block after each of its own (2).  Folded, a GEMM warpgroup reduces the block's
+# partials, read back from L2, and runs the Sinkhorn while its streaming warps go on: one launch,
+# and no second pass over the workspace from DRAM (the finalize kernel is 7-12% of an op's time on
+# an H200, BENCHMARKS.md).  A block's finalize (about 12K warp instructions) is longer than a
+# block's streaming, so with 1 a CTA that falls behind is the last of every block and does every
+# finalize of its token group; the queue spreads them over the CTAs that have time.
+# `_WG_DISCARD=1` (folds only) then drops the workspace's rows from L2 once read, so they are never
+# written back to DRAM.  Prepared on the CPU host (they lower, compile for sm_90a without spills);
+# not yet run on a GPU, so off until they are checked and timed there.
 _WG_FOLD = 0
+_WG_DISCARD = 0
 
 
 def column_resident(kind: str, dtype: str, D: int) -> bool:
@@ -254,7 +260,7 @@ _SHAPES = {  # buffer name -> (shape, dtype) with N = tokens, S = stream dtype, 
     "H": ("NmD", "S"), "Y": ("ND", "S"), "RES": ("NmD", "S"), "HN": ("NmD", "S"), "X": ("ND", "S"),
     "PIN": ("Nm", "f"), "CIN": ("Nmm", "f"), "PD": ("Nm", "f"), "PRE": ("Nm", "f"), "POST": ("Nm", "f"),
     "COMB": ("Nmm", "f"), "FN": ("xF", "f"), "SC": ("3", "f"), "BASE": ("x", "f"), "WS": ("KNP", "f"),
-    "TK": ("N", "i"),
+    "TK": ("Q", "i"),
 }
 _PARAMS = {  # (kind, role) -> parameter names, inputs first
     ("pre", "c"): ("H", "FN", "SC", "BASE", "PD", "X", "PRE", "POST", "COMB"),
@@ -274,7 +280,8 @@ _PARAMS = {  # (kind, role) -> parameter names, inputs first
 def _buffers(names, sdt, m, D, splits=1):
     """The T.Tensor types of `names` as attributes, with one symbolic token count N."""
     N = T.dynamic("N")
-    dims = {"N": N, "m": m, "D": D, "3": 3, "x": 2 * m + m * m, "F": m * D, "K": splits, "P": _NPAD}
+    dims = {"N": N, "m": m, "D": D, "3": 3, "x": 2 * m + m * m, "F": m * D, "K": splits, "P": _NPAD,
+            "Q": T.dynamic("NQ")}
     dtypes = {"S": sdt, "f": "float32", "i": "int32"}
     return SimpleNamespace(**{n: T.Tensor(tuple(dims[c] for c in _SHAPES[n][0]), dtypes[_SHAPES[n][1]])
                               for n in names}), N
@@ -401,8 +408,9 @@ def mhc_prim_funcs(kind, dtype, m, D, norm_eps, hc_eps, iters, target):
     if kind == "post_collapse":
         return [_cuda_stream_prim_func(dtype, m, D)]
     if column_resident(kind, dtype, D):
-        if _WG_FOLD not in (0, 1, 2):
-            raise ValueError(f"mHC wgmma kernel tuning: _WG_FOLD={_WG_FOLD}: needs 0, 1 or 2")
+        if _WG_FOLD not in (0, 1, 2) or _WG_DISCARD not in (0, 1):
+            raise ValueError(f"mHC wgmma kernel tuning: _WG_FOLD={_WG_FOLD}, _WG_DISCARD={_WG_DISCARD}: "
+                             f"needs 0, 1 or 2 and 0 or 1")
         if _WG_FOLD:
             return [_cuda_wg_prim_func(kind, m, D, (norm_eps, hc_eps, iters))]
         main, splits = _cuda_wg_prim_func(kind, m, D), D // _CR_W
@@ -458,8 +466,8 @@ def _signature(tensors) -> tuple:
 def _plan(kind, sig, eps):
     """Check an op's arguments from their `_signature` sig and plan its launch: (T, m, D, target,
     ((kernel, positions of its parameters in inputs + outputs + workspace + tickets), ...),
-    workspace shape or None, whether the kernels take tickets).  Raises ValueError naming the
-    first bad argument."""
+    workspace shape or None, the folded finalize's ticket ints or 0).  Raises ValueError naming
+    the first bad argument."""
     op, names = f"mhc_{kind}", _INPUTS[kind]
     shape0, sdt, device = sig[names.index(_LEAD[kind])]
     if len(shape0) != 3 or sdt not in _DTYPES:
@@ -478,14 +486,16 @@ def _plan(kind, sig, eps):
         raise ValueError(f"{op}: the CUDA build needs D % {DC} == 0, 2m + m^2 < {_NPAD} and at most "
                          f"{65535 * TB} tokens (grid y), got D={d}, m={m}, T={n}")
     if n == 0:  # nothing to launch (and nothing to build)
-        return n, m, d, target, (), None, False
+        return n, m, d, target, (), None, 0
     ws = None
     if target != "c" and mixing:
         ws = (d // _CR_W if column_resident(kind, _DTYPES[sdt], d) else cuda_splits(d, n), n, _NPAD)
     slots = (*names, *_OUTPUTS[kind], "WS", "TK")
     built = build(kind, _DTYPES[sdt], m, d, *eps, target)
     kernels = tuple((kernel, tuple(slots.index(p) for p in params)) for params, kernel in built)
-    return n, m, d, target, kernels, ws, any("TK" in params for params, _ in built)
+    folded = any("TK" in params for params, _ in built)
+    nb = -(-n // _WG_BLK)  # the column-resident kernel's token blocks: a ticket each (and the queue's)
+    return n, m, d, target, kernels, ws, (nb if _WG_FOLD == 1 else 2 * nb + 2) if folded else 0
 
 
 def _kernel_arg(t: torch.Tensor, target: str) -> torch.Tensor:
@@ -499,9 +509,8 @@ def _kernel_arg(t: torch.Tensor, target: str) -> torch.Tensor:
 
 def _run(kind, inputs, eps, outputs):
     """Check the op's inputs (once per `_plan` key), allocate its outputs with `outputs(T, m, D)`,
-    run its kernels (the CUDA mixing kinds: over a fresh workspace; the folded finalize: with
-    zeroed tickets, an int per token of which the first of each block is used) and return the
-    outputs."""
+    run its kernels (the CUDA mixing kinds: over a fresh workspace; the folded finalize: with its
+    tickets zeroed) and return the outputs."""
     n, m, d, target, kernels, ws, tickets = _plan(kind, _signature(inputs), eps)
     outs = outputs(n, m, d)
     if n:
@@ -513,7 +522,7 @@ def _run(kind, inputs, eps, outputs):
             if ws is not None:
                 args.append(outs[0].new_empty(ws, dtype=torch.float32))
             if tickets:
-                args.append(outs[0].new_zeros(n, dtype=torch.int32))
+                args.append(outs[0].new_zeros(tickets, dtype=torch.int32))
         for kernel, slots in kernels:
             kernel(*[args[i] for i in slots])
     return outs
@@ -951,18 +960,51 @@ __device__ __forceinline__ void dsv41c_mbar_wait(const void* p, unsigned off, un
 """
 
 
-# CUDA, sm_90: the finalize folded into the wgmma kernel (`_WG_FOLD`).  A ticket per token block,
-# the int at `tickets` + i: each of the GEMM warpgroup's threads makes its workspace stores visible
-# device-wide, the warpgroup meets at named barrier 1, its thread 0 draws the ticket into the
-# shared word at offset off of the kernel's shared memory, and the fence after the second meeting
-# orders the last CTA's workspace reads after every CTA's stores.
-_TICKET_PRELUDE = """
-__device__ __forceinline__ int dsv41c_ticket(const int* tickets, int i, const void* p, unsigned off, int tx) {
+# CUDA, sm_90: the finalize folded into the wgmma kernel (`_WG_FOLD`).  The ints q: q[b] block b's
+# ticket; with the queue (`_WG_FOLD=2`) also q[nb + i] the i-th block published (+ 1; 0 until
+# written), q[2 nb] the queue's tail and q[2 nb + 1] its head.  `dsv41c_fold_next`, called by the
+# 128 threads of a GEMM warpgroup after its stores of block blk's partials (or, blk < 0, after its
+# last block): each thread makes its stores visible device-wide, the warpgroup meets at named
+# barrier 1, and its thread 0 draws blk's ticket; the last of the G CTAs either takes the block
+# (fold 1) or publishes it (fold 2: after a fence, so that the block's partials are visible to
+# whoever reads the entry), and with the queue thread 0 then takes the oldest block nobody has
+# taken.  It returns the block the warpgroup finalizes next, or -1, through the shared word at
+# offset off, and the fence after the second meeting orders the warpgroup's workspace reads after
+# the stores of every CTA of that block.
+_FOLD_PRELUDE = """
+__device__ __forceinline__ int dsv41c_ld_relaxed(const int* p) {
+  int v;
+  asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ int dsv41c_fold_take(int* q, int nb) {
+  for (;;) {
+    int h = dsv41c_ld_relaxed(q + 2 * nb + 1);
+    if (h >= dsv41c_ld_relaxed(q + 2 * nb)) return -1;
+    if (atomicCAS(q + 2 * nb + 1, h, h + 1) == h) {
+      int v;
+      while ((v = dsv41c_ld_relaxed(q + nb + h)) == 0) {}  // published: written right after the tail moved
+      return v - 1;
+    }
+  }
+}
+__device__ __forceinline__ int dsv41c_fold_next(const int* tickets, int blk, int G, int nb, int queue,
+                                                const void* p, unsigned off, int tx) {
+  int* q = const_cast<int*>(tickets);  // (TileLang declares them const: it sees no store to them)
   __threadfence();
   asm volatile("bar.sync 1, 128;" ::: "memory");
-  if (tx == 0) {  // (TileLang declares the tickets const: it sees no store to them)
-    int v = atomicAdd(const_cast<int*>(tickets) + i, 1);
-    asm volatile("st.shared.b32 [%0], %1;" :: "r"(dsv41c_sbase(p) + off), "r"(v) : "memory");
+  if (tx == 0) {
+    int next = -1;
+    if (blk >= 0 && atomicAdd(q + blk, 1) == G - 1) {
+      if (queue) {
+        __threadfence();
+        atomicExch(q + nb + atomicAdd(q + 2 * nb, 1), blk + 1);
+      } else {
+        next = blk;
+      }
+    }
+    if (queue) next = dsv41c_fold_take(q, nb);
+    asm volatile("st.shared.b32 [%0], %1;" :: "r"(dsv41c_sbase(p) + off), "r"(next) : "memory");
   }
   asm volatile("bar.sync 1, 128;" ::: "memory");
   int v;
@@ -1068,14 +1110,16 @@ def _cuda_wg_prim_func(kind, m, D, fin=None):
       unconditionally: ptxas serialises every wgmma otherwise.
     - With fin = (norm_eps, hc_eps, iters) (`_WG_FOLD`, prepared, not yet run on a GPU), the
       finalize is folded in: after a block's epilogue and its empty arrive, the GEMM warpgroup
-      draws the block's ticket (`_TICKET_PRELUDE`, an int a block in TK, zeroed by the caller);
-      the CTA that draws G - 1 stored its partials last, and its GEMM warpgroup runs the finalize
-      kernel's lanes (`_finalize_lanes_macro`, the same sums in the same order, so the same
-      results) for the block's tokens, in rounds of 128 // (lanes a token) tokens, reading the
-      partials through L2 (`ld.global.cg`).  Its streaming warps are not held up: the next B tile
-      is already theirs, and the one after waits only for that block's GEMM.  `_WG_FOLD=2` also
-      drops each round's workspace rows from L2 once its warps have used them
-      (`discard.global.L2`), so the partials never go back to DRAM.
+      draws the block's ticket (`_FOLD_PRELUDE`, the ints TK, zeroed by the caller).  The CTA
+      that draws G - 1 stored its partials last; it finalizes the block itself (1) or queues it
+      (2), and with the queue every GEMM warpgroup then takes the oldest queued block, if any (and
+      drains the queue after its own blocks).  Finalizing runs the finalize kernel's lanes
+      (`_finalize_lanes_macro`, the same sums in the same order, so the same results) for the
+      block's tokens, in rounds of 128 // (lanes a token) tokens, reading the partials through L2
+      (`ld.global.cg`).  Its streaming warps are not held up at once: the next B tile is already
+      theirs, and the one after waits only for that block's GEMM.  `_WG_DISCARD` also drops each
+      round's workspace rows from L2 once its warps have used them (`discard.global.L2`), so the
+      partials never go back to DRAM.
     The wgmma are issued through inline PTX (`_WGMMA_PRELUDE`): TileLang's T.gemm divides a GEMM
     over all the CTA's threads."""
     expand = kind == "post_pre"
@@ -1119,9 +1163,9 @@ def _cuda_wg_prim_func(kind, m, D, fin=None):
 
         @T.macro
         def discard(B, blk, rd, g):
-            """`_WG_FOLD=2`: after round rd of block blk's finalize, GEMM thread g's share of its warp's
-            tokens' workspace rows dropped from L2 unwritten (`discard.global.L2`): their values are
-            read (and used) by the warp's lanes alone, and never again."""
+            """`_WG_DISCARD`: after round rd of block blk's finalize, GEMM thread g's share of its
+            warp's tokens' workspace rows dropped from L2 unwritten (`discard.global.L2`): their
+            values are read (and used) by the warp's lanes alone, and never again."""
             T.call_extern("handle", "__syncwarp")
             for e in T.unroll(-(-wlines // 32)):
                 v = e * 32 + g % 32
@@ -1129,8 +1173,20 @@ def _cuda_wg_prim_func(kind, m, D, fin=None):
                 if T.And(v < wlines, T.And(r < BLK, blk * BLK + r < N)):
                     T.call_extern("handle", "dsv41c_discard", B["WS"].data,
                                   (T.Cast("int64", v % G) * N + blk * BLK + r) * _NPAD)
+
+        @T.macro
+        def finalize_block(B, blk, g):
+            """Block blk's tokens finalized by the GEMM warpgroup (g its thread index), in rounds."""
+            for rd in T.unroll(rounds):
+                # (a warp whose tokens in this round all lie past the block or N skips it: its
+                # shuffles stay within the warp)
+                if rd * (128 // GL) + g // 32 * (32 // GL) < T.min(BLK, N - blk * BLK):
+                    r = rd * (128 // GL) + g // GL
+                    lanes(B, blk * BLK + r, g % GL, T.And(r < BLK, blk * BLK + r < N))
+                    if _WG_DISCARD:
+                        discard(B, blk, rd, g)
     prelude = _PACK_BF16X2 + _RUNNING_ADDRS + _WGMMA_PRELUDE + _MBAR_PRELUDE + (
-        _TICKET_PRELUDE if fin is not None else "") + _wgmma_fn(BLK) + "".join(
+        _FOLD_PRELUDE if fin is not None else "") + _wgmma_fn(BLK) + "".join(
         f"""
 __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("setmaxnreg.{op}.sync.aligned.u32 {r};"); }}
 """ for op, r in (("dec", _WG_GEMM_REGS), ("inc", r_st)))
@@ -1319,6 +1375,7 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
             cv = T.alloc_local((ncv,), "float32")
             acc = T.alloc_local((KS * nacc,), "float32")
             tot = T.alloc_local((BLK // 4,), "float32")
+            nx = T.alloc_var("int32")  # (the folded finalize) the block the GEMM warpgroup finalizes next
             # the next block's load addresses (streams, y), this block's store addresses (x, h_new),
             # at the warp's first token and the lane's first word; the bytes one token row of x (and
             # m rows) moves over a step of the CTA's blocks
@@ -1393,19 +1450,19 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
                     T.call_extern("handle", "dsv41c_mbar_arrive", sm, mb + 16 + 8 * (i % 2))
                     if fin is not None:
                         # the block's G CTAs each draw a ticket after their workspace stores; the
-                        # last finalizes the block's tokens from all G partials (in L2)
-                        if T.call_extern("int32", "dsv41c_ticket", B["TK"].data, (bp + i * PV) * BLK, sm, mb + 32,
-                                         tx - 128 * gw) == G - 1:
-                            for rd in T.unroll(rounds):
-                                # (a warp whose tokens in this round all lie past the block or N
-                                # skips it: its shuffles stay within the warp)
-                                if (rd * (128 // GL) + (tx - 128 * gw) // 32 * (32 // GL)
-                                        < T.min(BLK, N - (bp + i * PV) * BLK)):
-                                    r = rd * (128 // GL) + (tx - 128 * gw) // GL
-                                    lanes(B, (bp + i * PV) * BLK + r, (tx - 128 * gw) % GL,
-                                          T.And(r < BLK, (bp + i * PV) * BLK + r < N))
-                                    if _WG_FOLD == 2:
-                                        discard(B, bp + i * PV, rd, tx - 128 * gw)
+                        # last finalizes the block's tokens from all G partials (in L2), or queues
+                        # it, and this warpgroup takes one queued block
+                        nx = T.call_extern("int32", "dsv41c_fold_next", B["TK"].data, bp + i * PV, G, NB,
+                                           _WG_FOLD - 1, sm, mb + 32, tx - 128 * gw)
+                        if nx >= 0:
+                            finalize_block(B, nx, tx - 128 * gw)
+                if fin is not None and _WG_FOLD == 2:  # the queue drained: blocks published by now
+                    nx = T.call_extern("int32", "dsv41c_fold_next", B["TK"].data, -1, G, NB, 1, sm, mb + 32,
+                                       tx - 128 * gw)
+                    while nx >= 0:
+                        finalize_block(B, nx, tx - 128 * gw)
+                        nx = T.call_extern("int32", "dsv41c_fold_next", B["TK"].data, -1, G, NB, 1, sm, mb + 32,
+                                           tx - 128 * gw)
             else:
                 if r_st > r0:
                     T.call_extern("handle", f"dsv41c_setmaxnreg_inc{r_st}")
