@@ -251,12 +251,11 @@ def test_cuda_build_lowers_for_sm90():
 
 
 # (the fifth: each op with the number of blocks in flight that the other has by default; the sixth:
-# 12 streaming warps; the last three: the finalize folded into the kernel, by the last CTA of a
-# block or through the queue, the third with the workspace rows dropped from L2 and blocks of 24
-# tokens: three rounds of 8)
+# 12 streaming warps; the last two: the finalize folded into the kernel, the second with the
+# workspace rows dropped from L2 and blocks of 24 tokens: three rounds of 8)
 WG_TUNINGS = ({}, {"_WG_KSPLIT": 2}, {"_WG_TPW": 1}, {"_WG_BLK": 24, "_WG_TPW": 3},
               {"_WG_AHEAD_PRE": 1, "_WG_AHEAD_POST_PRE": 2}, {"_WG_BLK": 24, "_WG_TPW": 2}, {"_WG_FOLD": 1},
-              {"_WG_FOLD": 2}, {"_WG_FOLD": 2, "_WG_DISCARD": 1, "_WG_BLK": 24, "_WG_TPW": 3})
+              {"_WG_FOLD": 1, "_WG_DISCARD": 1, "_WG_BLK": 24, "_WG_TPW": 3})
 
 
 def _wg_tuning(monkeypatch, **tuning):
@@ -308,7 +307,7 @@ def test_cuda_wgmma_kernel_lowers_for_sm90(kind, tuning, monkeypatch):
 
 
 @pytest.mark.parametrize("tuning", ({"_WG_BLK": 20}, {"_WG_TPW": 8}, {"_WG_KSPLIT": 3}, {"_WG_AHEAD_PRE": 0},
-                                    {"_WG_AHEAD_POST_PRE": -1}, {"_WG_FOLD": 3}, {"_WG_DISCARD": 2}),
+                                    {"_WG_AHEAD_POST_PRE": -1}, {"_WG_FOLD": 2}, {"_WG_DISCARD": 2}),
                          ids=lambda t: ",".join(f"{k}={v}" for k, v in t.items()))
 def test_wgmma_kernel_refuses_an_invalid_tuning(tuning, monkeypatch):
     """A tuning the kernel cannot be built with (`benchmarks/mhc.py --set`) is a ValueError naming it."""
@@ -420,35 +419,38 @@ def test_cuda_finalize_lowers_for_sm90(dtype, monkeypatch):
     assert body.count("#pragma unroll") >= 2 * static
 
 
-@pytest.mark.parametrize("fold,discard", ((1, 0), (2, 0), (1, 1), (2, 1)))
+@pytest.mark.parametrize("discard", (0, 1))
 @pytest.mark.parametrize("kind", ("pre", "post_pre"))
-def test_cuda_folded_finalize_lowers_for_sm90(kind, fold, discard, monkeypatch):
-    """With `_WG_FOLD` 1 or 2 the column-resident op is one kernel, without a programmatic launch.
-    After each block's epilogue and the release of its B tile, the GEMM warpgroup draws the block's
-    ticket (`dsv41c_fold_next`, G = 20 column groups); the block it is handed, if any, it finalizes:
-    the 20 partials of each coefficient summed in order (unrolled, read through L2), then the
-    finalize's Sinkhorn, as the finalize kernel does. With the queue (2) the warpgroup drains the
-    queue after its last block, in a loop that ends on -1. With `_WG_DISCARD` each round of a
-    finalize then drops its tokens' workspace rows from L2."""
-    monkeypatch.setattr(K, "_WG_FOLD", fold)
+def test_cuda_folded_finalize_lowers_for_sm90(kind, discard, monkeypatch):
+    """With `_WG_FOLD=1` the column-resident op is one kernel, without a programmatic launch. While
+    each block's wgmma run, the GEMM warpgroup draws the previous block's ticket and takes a queued
+    block (`dsv41c_fold_next`: G = 20 column groups, the blocks' count, no fence but the ticket's
+    release and the entry's acquire); the block it is handed, if any, it finalizes after the
+    block's epilogue: the 20 partials of each coefficient summed in order (unrolled, read through
+    L2), then the finalize's Sinkhorn, as the finalize kernel does. After its last block it draws
+    that block's ticket and drains the queue, in a loop that ends on -1. With `_WG_DISCARD` each
+    round of a finalize then drops its tokens' workspace rows from L2."""
+    monkeypatch.setattr(K, "_WG_FOLD", 1)
     monkeypatch.setattr(K, "_WG_DISCARD", discard)
     kernels = K.mhc_prim_funcs(kind, "bfloat16", 4, 5120, *HC.values(), "cuda")
     assert [names[-2:] for names, _ in kernels] == [("WS", "TK")]
     src = _sm90_source(kind, "bfloat16")
     body = src[src.index("__global__ void __launch_bounds__"):]
     assert "cudaTriggerProgrammaticLaunchCompletion" not in src and "cudaGridDependencySynchronize" not in src
-    assert "atomicAdd(q + blk, 1) == G - 1" in src and src.count("bar.sync 1, 128;") == 2
-    assert body.index("dsv41c_mbar_arrive(") < body.index("dsv41c_fold_next(TK, ")  # the B tile freed first
+    assert "atom.acq_rel.gpu.global.add.s32" in src and "st.release.gpu.global.b32" in src
+    assert "ld.acquire.gpu.global.b32" in src and src.count("bar.sync 1, 128;") == 2
+    assert "__threadfence" not in src
     fin = body[body.index("nx = dsv41c_fold_next(TK, "):body.index("dsv41c_setmaxnreg_inc")]  # to the streaming warps
-    # the call after each block (queue: one more before the drain and one in it); the block's own
-    # number, G, the blocks' count, and whether there is a queue
-    calls = re.findall(r"nx = dsv41c_fold_next\(TK, ([^\n]*?), 20, \(\(N \+ 15\) >> 4\), (\d), sm, ", fin)
-    assert [(c[0] == "-1", c[1]) for c in calls] == [(False, str(fold - 1))] + [(True, "1")] * 2 * (fold == 2)
-    assert ("while (1) {" in fin) == (fold == 2)
-    # a finalize where a block is handed out (and one in the drain)
-    assert fin.count(" < 20; ++k") == 2 * fold and "WS[" not in fin and fin.count("dsv41c_ldcg(WS, ") == 4 * fold
-    assert fin.count("PRE[") == fin.count("POST[") == fin.count("COMB[") == fold and "__shfl_xor_sync" in fin
-    assert fin.count("dsv41c_discard(WS, ") == fold * discard and ("__syncwarp()" in fin) == bool(discard)
+    # between block i's wgmma issue and wait: block i - 1's ticket (none for the first block)
+    assert body.index("dsv41c_wgmma_n16(") < body.index("nx = dsv41c_fold_next(TK, ") < body.index(
+        "dsv41c_wgmma_wait()")
+    calls = re.findall(r"nx = dsv41c_fold_next\(TK, ([^\n]*?), 20, \(\(N \+ 15\) >> 4\), sm, ", fin)
+    assert len(calls) == 3 and "-1" not in calls[:2] and calls[2] == "-1", calls
+    assert "while (1) {" in fin
+    # a finalize where a block is handed out in the loop, and one in the drain
+    assert fin.count(" < 20; ++k") == 4 and fin.count("dsv41c_ldcg(WS, ") == 8
+    assert fin.count("PRE[") == fin.count("POST[") == fin.count("COMB[") == 2 and "__shfl_xor_sync" in fin
+    assert fin.count("dsv41c_discard(WS, ") == 2 * discard and ("__syncwarp()" in fin) == bool(discard)
 
 
 @pytest.mark.gpu

@@ -80,8 +80,8 @@ CUDA (sm_90a: wgmma needs the arch-specific target).
      token, with the Sinkhorn's 39 normalisations serial in it, took 50 us at any T: ~99K cycles of
      dependent divisions, more than the main kernel at T = 1.)  Prepared, not yet run on a GPU
      (`_WG_FOLD`, off): the column-resident kernel running these lanes itself, block by block, in
-     the last CTA of each token block to finish it or in whichever CTA takes the block from a
-     queue, so the op is one launch.
+     whichever CTA takes the block from a queue once its last CTA has published it, so the op is
+     one launch.
 """
 
 import functools
@@ -142,17 +142,16 @@ _WG_GEMM_REGS = 88
 _WG_AHEAD_PRE = 2
 _WG_AHEAD_POST_PRE = 1
 # CUDA mixing kernel for bf16 streams: the finalize a kernel of its own launched after it (0), or
-# folded into it: the last of a token block's D / 256 CTAs to store its partial mixes (a ticket a
-# block) finalizes the block itself (1), or publishes it in a queue from which any CTA's GEMM
-# warpgroup takes one block after each of its own (2).  Folded, a GEMM warpgroup reduces the block's
-# partials, read back from L2, and runs the Sinkhorn while its streaming warps go on: one launch,
-# and no second pass over the workspace from DRAM (the finalize kernel is 7-12% of an op's time on
-# an H200, BENCHMARKS.md).  A block's finalize (about 12K warp instructions) is longer than a
-# block's streaming, so with 1 a CTA that falls behind is the last of every block and does every
-# finalize of its token group; the queue spreads them over the CTAs that have time.
-# `_WG_DISCARD=1` (folds only) then drops the workspace's rows from L2 once read, so they are never
-# written back to DRAM.  Prepared on the CPU host (they lower, compile for sm_90a without spills);
-# not yet run on a GPU, so off until they are checked and timed there.
+# folded into it (1): the last of a token block's D / 256 CTAs to store its partial mixes (a ticket
+# a block) publishes the block in a queue, from which each CTA's GEMM warpgroup takes one block
+# after each of its own, and reduces the block's partials, read back from L2, and runs the Sinkhorn
+# while its streaming warps go on: one launch, and no second pass over the workspace from DRAM (the
+# finalize kernel is 7-12% of an op's time on an H200, BENCHMARKS.md).  (Not the last CTA itself:
+# a block's finalize, about 12K warp instructions, is longer than a block's streaming, so a CTA
+# that fell behind would be the last of every block and do every finalize of its token group.)
+# `_WG_DISCARD=1` (with the fold) then drops the workspace's rows from L2 once read, so they are
+# never written back to DRAM.  Prepared on the CPU host (it lowers, compiles for sm_90a without
+# spills); not yet run on a GPU, so off until it is checked and timed there.
 _WG_FOLD = 0
 _WG_DISCARD = 0
 
@@ -408,9 +407,9 @@ def mhc_prim_funcs(kind, dtype, m, D, norm_eps, hc_eps, iters, target):
     if kind == "post_collapse":
         return [_cuda_stream_prim_func(dtype, m, D)]
     if column_resident(kind, dtype, D):
-        if _WG_FOLD not in (0, 1, 2) or _WG_DISCARD not in (0, 1):
+        if _WG_FOLD not in (0, 1) or _WG_DISCARD not in (0, 1):
             raise ValueError(f"mHC wgmma kernel tuning: _WG_FOLD={_WG_FOLD}, _WG_DISCARD={_WG_DISCARD}: "
-                             f"needs 0, 1 or 2 and 0 or 1")
+                             f"each needs 0 or 1")
         if _WG_FOLD:
             return [_cuda_wg_prim_func(kind, m, D, (norm_eps, hc_eps, iters))]
         main, splits = _cuda_wg_prim_func(kind, m, D), D // _CR_W
@@ -494,8 +493,8 @@ def _plan(kind, sig, eps):
     built = build(kind, _DTYPES[sdt], m, d, *eps, target)
     kernels = tuple((kernel, tuple(slots.index(p) for p in params)) for params, kernel in built)
     folded = any("TK" in params for params, _ in built)
-    nb = -(-n // _WG_BLK)  # the column-resident kernel's token blocks: a ticket each (and the queue's)
-    return n, m, d, target, kernels, ws, (nb if _WG_FOLD == 1 else 2 * nb + 2) if folded else 0
+    nb = -(-n // _WG_BLK)  # the column-resident kernel's token blocks: a ticket and a queue entry each
+    return n, m, d, target, kernels, ws, 2 * nb + 2 if folded else 0
 
 
 def _kernel_arg(t: torch.Tensor, target: str) -> torch.Tensor:
@@ -961,55 +960,50 @@ __device__ __forceinline__ void dsv41c_mbar_wait(const void* p, unsigned off, un
 
 
 # CUDA, sm_90: the finalize folded into the wgmma kernel (`_WG_FOLD`).  The ints q: q[b] block b's
-# ticket; with the queue (`_WG_FOLD=2`) also q[nb + i] the i-th block published (+ 1; 0 until
-# written), q[2 nb] the queue's tail and q[2 nb + 1] its head.  `dsv41c_fold_next`, called by the
-# 128 threads of a GEMM warpgroup after its stores of block blk's partials (or, blk < 0, after its
-# last block): each thread makes its stores visible device-wide, the warpgroup meets at named
-# barrier 1, and its thread 0 draws blk's ticket; the last of the G CTAs either takes the block
-# (fold 1) or publishes it (fold 2: after a fence, so that the block's partials are visible to
-# whoever reads the entry), and with the queue thread 0 then takes the oldest block nobody has
-# taken.  It returns the block the warpgroup finalizes next, or -1, through the shared word at
-# offset off, and the fence after the second meeting orders the warpgroup's workspace reads after
-# the stores of every CTA of that block.
+# ticket, q[nb + i] the i-th block published (+ 1; 0 until written), q[2 nb] the queue's tail and
+# q[2 nb + 1] its head.  `dsv41c_fold_next` is called by the 128 threads of a GEMM warpgroup once
+# its stores of block blk's partials are issued (blk < 0: none).  The warpgroup meets at named
+# barrier 1 and its thread 0 draws blk's ticket with a release (CUTLASS's semaphore pattern: the
+# barrier orders the other threads' stores before it); the CTA that draws G - 1 is the block's
+# last: it publishes the block, after that acquire, with a release store.  Thread 0 then takes the
+# oldest published block nobody has taken (a compare-and-swap on the head, then an acquire load of
+# the entry) and hands it to the warpgroup, or -1, through the shared word at offset off; after the
+# second meeting the warpgroup reads that block's partials (through L2).  The ticket's atomic and
+# the queue's head and tail load are in flight together.
 _FOLD_PRELUDE = """
-__device__ __forceinline__ int dsv41c_ld_relaxed(const int* p) {
-  int v;
-  asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
+__device__ __forceinline__ void dsv41c_ld_pair(const int* p, int* a, int* b) {
+  asm volatile("ld.relaxed.gpu.global.v2.b32 {%0, %1}, [%2];" : "=r"(*a), "=r"(*b) : "l"(p) : "memory");
 }
-__device__ __forceinline__ int dsv41c_fold_take(int* q, int nb) {
-  for (;;) {
-    int h = dsv41c_ld_relaxed(q + 2 * nb + 1);
-    if (h >= dsv41c_ld_relaxed(q + 2 * nb)) return -1;
-    if (atomicCAS(q + 2 * nb + 1, h, h + 1) == h) {
-      int v;
-      while ((v = dsv41c_ld_relaxed(q + nb + h)) == 0) {}  // published: written right after the tail moved
-      return v - 1;
-    }
-  }
-}
-__device__ __forceinline__ int dsv41c_fold_next(const int* tickets, int blk, int G, int nb, int queue,
-                                                const void* p, unsigned off, int tx) {
+__device__ __forceinline__ int dsv41c_fold_next(const int* tickets, int blk, int G, int nb, const void* p,
+                                                unsigned off, int tx) {
   int* q = const_cast<int*>(tickets);  // (TileLang declares them const: it sees no store to them)
-  __threadfence();
   asm volatile("bar.sync 1, 128;" ::: "memory");
   if (tx == 0) {
-    int next = -1;
-    if (blk >= 0 && atomicAdd(q + blk, 1) == G - 1) {
-      if (queue) {
-        __threadfence();
-        atomicExch(q + nb + atomicAdd(q + 2 * nb, 1), blk + 1);
-      } else {
-        next = blk;
-      }
+    int old = -1, tail, head, next = -1;
+    if (blk >= 0)
+      asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(q + blk) : "memory");
+    dsv41c_ld_pair(q + 2 * nb, &tail, &head);
+    if (old == G - 1) {  // the block's last CTA: publish it
+      int at = atomicAdd(q + 2 * nb, 1);
+      asm volatile("st.release.gpu.global.b32 [%0], %1;" :: "l"(q + nb + at), "r"(blk + 1) : "memory");
+      tail = max(tail, at + 1);
     }
-    if (queue) next = dsv41c_fold_take(q, nb);
+    while (head < tail) {
+      if (atomicCAS(q + 2 * nb + 1, head, head + 1) == head) {
+        int v;
+        do {  // published: written right after the tail moved
+          asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(q + nb + head) : "memory");
+        } while (v == 0);
+        next = v - 1;
+        break;
+      }
+      dsv41c_ld_pair(q + 2 * nb, &tail, &head);
+    }
     asm volatile("st.shared.b32 [%0], %1;" :: "r"(dsv41c_sbase(p) + off), "r"(next) : "memory");
   }
   asm volatile("bar.sync 1, 128;" ::: "memory");
   int v;
   asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(dsv41c_sbase(p) + off) : "memory");
-  __threadfence();
   return __shfl_sync(0xFFFFFFFFu, v, 0);
 }
 __device__ __forceinline__ float dsv41c_ldcg(const float* p, long long i) { return __ldcg(p + i); }
@@ -1110,10 +1104,11 @@ def _cuda_wg_prim_func(kind, m, D, fin=None):
       unconditionally: ptxas serialises every wgmma otherwise.
     - With fin = (norm_eps, hc_eps, iters) (`_WG_FOLD`, prepared, not yet run on a GPU), the
       finalize is folded in: after a block's epilogue and its empty arrive, the GEMM warpgroup
-      draws the block's ticket (`_FOLD_PRELUDE`, the ints TK, zeroed by the caller).  The CTA
-      that draws G - 1 stored its partials last; it finalizes the block itself (1) or queues it
-      (2), and with the queue every GEMM warpgroup then takes the oldest queued block, if any (and
-      drains the queue after its own blocks).  Finalizing runs the finalize kernel's lanes
+      draws the block's ticket (`_FOLD_PRELUDE`, the ints TK, zeroed by the caller; block i's
+      ticket is drawn while block i + 1's wgmma run).  The CTA that draws G - 1 stored its
+      partials last and queues the block; every GEMM warpgroup takes the oldest queued block, if
+      any, after each of its own (and drains the queue after its last).  Finalizing runs the
+      finalize kernel's lanes
       (`_finalize_lanes_macro`, the same sums in the same order, so the same results) for the
       block's tokens, in rounds of 128 // (lanes a token) tokens, reading the partials through L2
       (`ld.global.cg`).  Its streaming warps are not held up at once: the next B tile is already
@@ -1445,23 +1440,26 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
                     # block i's B tile, squares: full[i % 2]'s completion number i // 2
                     T.call_extern("handle", "dsv41c_mbar_wait", sm, mb + 8 * (i % 2), i // 2 % 2)
                     issue(R, i % 2, sm)
+                    if fin is not None:
+                        # while block i's wgmma run: block i - 1's ticket, drawn after its workspace
+                        # stores by each of its G CTAs; the last queues the block, and this
+                        # warpgroup takes one queued block, whose tokens it finalizes from all G
+                        # partials (in L2) after block i's epilogue, below
+                        nx = T.call_extern("int32", "dsv41c_fold_next", B["TK"].data,
+                                           T.if_then_else(i > 0, bp + (i - 1) * PV, -1), G, NB, sm, mb + 32,
+                                           tx - 128 * gw)
                     T.call_extern("handle", "dsv41c_wgmma_wait")
                     epilogue(B, R, bp + i * PV, i % 2, tx - 128 * gw, bg)
                     T.call_extern("handle", "dsv41c_mbar_arrive", sm, mb + 16 + 8 * (i % 2))
                     if fin is not None:
-                        # the block's G CTAs each draw a ticket after their workspace stores; the
-                        # last finalizes the block's tokens from all G partials (in L2), or queues
-                        # it, and this warpgroup takes one queued block
-                        nx = T.call_extern("int32", "dsv41c_fold_next", B["TK"].data, bp + i * PV, G, NB,
-                                           _WG_FOLD - 1, sm, mb + 32, tx - 128 * gw)
                         if nx >= 0:
                             finalize_block(B, nx, tx - 128 * gw)
-                if fin is not None and _WG_FOLD == 2:  # the queue drained: blocks published by now
-                    nx = T.call_extern("int32", "dsv41c_fold_next", B["TK"].data, -1, G, NB, 1, sm, mb + 32,
-                                       tx - 128 * gw)
+                if fin is not None:  # the last block's ticket, then the queue drained
+                    nx = T.call_extern("int32", "dsv41c_fold_next", B["TK"].data, bp + (nb - 1) * PV, G, NB, sm,
+                                       mb + 32, tx - 128 * gw)
                     while nx >= 0:
                         finalize_block(B, nx, tx - 128 * gw)
-                        nx = T.call_extern("int32", "dsv41c_fold_next", B["TK"].data, -1, G, NB, 1, sm, mb + 32,
+                        nx = T.call_extern("int32", "dsv41c_fold_next", B["TK"].data, -1, G, NB, sm, mb + 32,
                                            tx - 128 * gw)
             else:
                 if r_st > r0:
