@@ -1355,7 +1355,8 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
             tx = T.get_thread_binding()
             if fin is None:
                 TCU.pdl_trigger()  # the finalize kernel may launch once every CTA of this one has started
-            SMB = T.alloc_shared((L.smem // 4 + 9,), "uint32")  # + the four mbarriers, the block's ticket
+            # + the four mbarriers (and with the fold, the word fold_next hands a block over in)
+            SMB = T.alloc_shared((L.smem // 4 + (8 if fin is None else 9),), "uint32")
             Cos = T.alloc_shared((2, BLK, ncf), "float32")
             SQ = T.alloc_shared((2, BLK), "float32")
             fv = T.alloc_local((4,), "float32")
