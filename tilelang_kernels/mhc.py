@@ -1103,12 +1103,12 @@ def _cuda_wg_prim_func(kind, m, D, fin=None):
       branches on a warp-uniform warpgroup index, and the epilogue reads every accumulator
       unconditionally: ptxas serialises every wgmma otherwise.
     - With fin = (norm_eps, hc_eps, iters) (`_WG_FOLD`, prepared, not yet run on a GPU), the
-      finalize is folded in: after a block's epilogue and its empty arrive, the GEMM warpgroup
-      draws the block's ticket (`_FOLD_PRELUDE`, the ints TK, zeroed by the caller; block i's
-      ticket is drawn while block i + 1's wgmma run).  The CTA that draws G - 1 stored its
+      finalize is folded in: once a block's partials are stored, the GEMM warpgroup draws the
+      block's ticket while the next block's wgmma run (the last block's after its loop;
+      `_FOLD_PRELUDE`, the ints TK, zeroed by the caller).  The CTA that draws G - 1 stored its
       partials last and queues the block; every GEMM warpgroup takes the oldest queued block, if
-      any, after each of its own (and drains the queue after its last).  Finalizing runs the
-      finalize kernel's lanes
+      any, with each ticket it draws, finalizes it after the current block's epilogue, and drains
+      the queue after its last block.  Finalizing runs the finalize kernel's lanes
       (`_finalize_lanes_macro`, the same sums in the same order, so the same results) for the
       block's tokens, in rounds of 128 // (lanes a token) tokens, reading the partials through L2
       (`ld.global.cg`).  Its streaming warps are not held up at once: the next B tile is already
@@ -1147,10 +1147,11 @@ def _cuda_wg_prim_func(kind, m, D, fin=None):
     # the coefficients a fetch shares out: a warp's own tokens' over its lanes, ncv a lane
     ncoef = TPW * ncf
     ncv = -(-ncoef // 32)
-    # the mbarriers full[0], full[1], empty[0], empty[1], 8 bytes each (then the ticket word)
+    # the mbarriers full[0], full[1], empty[0], empty[1], 8 bytes each (then, with the fold, the
+    # word fold_next hands a block over in)
     mb = L.a_bytes + 2 * L.b_bytes
     mul, add = _arith(True)
-    if fin is not None:  # the finalize of a block by its last CTA: G lanes a token, rounds of the warpgroup
+    if fin is not None:  # the finalize of a queued block: GL lanes a token, rounds of the warpgroup
         GL, lanes = _finalize_lanes_macro(m, D, *fin, functools.partial(T.unroll, 1, G), lambda B, k, t, col: (
             T.call_extern("float32", "dsv41c_ldcg", B["WS"].data, (T.Cast("int64", k) * N + t) * _NPAD + col)))
         rounds = -(-BLK // (128 // GL))
