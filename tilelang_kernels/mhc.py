@@ -147,8 +147,9 @@ _WG_AHEAD_POST_PRE = 1
 # after each of its own, and reduces the block's partials, read back from L2, and runs the Sinkhorn
 # while its streaming warps go on: one launch, and no second pass over the workspace from DRAM (the
 # finalize kernel is 7-12% of an op's time on an H200, BENCHMARKS.md).  (Not the last CTA itself:
-# a block's finalize, about 12K warp instructions, is longer than a block's streaming, so a CTA
-# that fell behind would be the last of every block and do every finalize of its token group.)
+# a block's finalize, up to ~30K warp instructions by the SASS counts, is longer than a block's
+# streaming, so a CTA that fell behind would be the last of every block and do every finalize of
+# its token group.)
 # `_WG_DISCARD=1` (with the fold) then drops the workspace's rows from L2 once read, so they are
 # never written back to DRAM.  Prepared on the CPU host (it lowers, compiles for sm_90a without
 # spills); not yet run on a GPU, so off until it is checked and timed there.
