@@ -54,7 +54,8 @@ heads (MQA), so one gathered tile serves every head.  Per block:
     block i+1's copies are issued before block i's GEMMs, so the gather of the next block overlaps
     the current block's compute (and the first block's overlaps the load of q);
   - the stage is decoded into KVs [64, d] bf16 (each thread: 16 items of 8 values, one 16-byte
-    store each; E2M1 through a table of its 16 values; rows -1 or past the row count: zeros);
+    store each; the packed formats by bit moves and paired conversions, `_ROW8_PRELUDE`; rows -1
+    or past the row count: zeros);
   - S = q K^T [64, 64] (fp32 accumulation), the online softmax, acc += bf16(p) V [64, d].
 The fp32 accumulator [64, 512] is 128 of a thread's ~200 registers; shared memory q 64 KB + KVs
 64 KB + the stage (33 KB for the FP8 ring, 66 KB for bf16 rows) + p 8 KB: 173-205 KB, one CTA per SM.
@@ -80,7 +81,8 @@ import torch
 
 from dsv41c import quant as Q
 from dsv41c.attention import sparse_attn as sparse_attn_ref
-from dsv41c.tilelang_kernels.quant import (_bits, _e2m1_value, _e4m3_value, _e8m0_value, _store, compile_for,
+from dsv41c.tilelang_kernels.quant import (CUDA_E2M1_WORDS, CUDA_PACK_BF16X2, _bits, _e2m1_value, _e4m3_value,
+                                            _e8m0_value, _store, compile_for,
                                             define_op, kernel_target, rows_buffer)
 
 __all__ = ["BLOCK", "KINDS", "attention_prim_func", "build", "combine_prim_func", "num_splits",
@@ -91,6 +93,68 @@ KINDS = ("plain", "packed_rows", "packed_fp8")  # kv rows; packed with a plain w
 _CUDA_THREADS = 256  # 512 builds and runs (16 warps per SM, spilling at 128 registers) but was no faster
 _CUDA_HEADS = 64  # heads per CTA (one wgmma M)
 _NEG_BIG = -1e30
+
+# CUDA: 8 values of a packed row (one decode item) into 8 bf16, bit-identical to the references.
+# - FP8 window rows: each pair of E4M3 codes through one cvt to f16x2 (exact), then the
+#   reference's operations, fp32 product by 2^(s-127) (UE8M0 byte s; 0: 2^-127, 255: NaN) rounded
+#   to bf16; the scale is made once per item.
+# - FP4 compressed rows: the E2M1 x 2^-126 words of `CUDA_E2M1_WORDS` (values j, j + 4), put back
+#   in value order by byte permutes, then two bf16x2 multiplies, by 2^126 and by the E4M3 scale
+#   (exact in bf16; made from the byte through f16).  E2M1 times an E4M3 scale needs at most 6
+#   significant bits and stays in bf16's normal range, so both products are exact, like the
+#   reference's fp32 ones; a NaN scale gives NaN.
+# About 33-36 SASS instructions an item, against 45 (FP4, a table of the 16 E2M1 values) and 90
+# (FP8, per-value conversions, the scale's special cases made per value) before: 1.19x at batch 32
+# and 1.25x at batch 1 in a CUDA graph on an H100 (BENCHMARKS.md).
+_ROW8_PRELUDE = CUDA_PACK_BF16X2 + CUDA_E2M1_WORDS + r"""
+__device__ __forceinline__ unsigned dsv41c_e4m3x2_f16x2(unsigned short c) {
+  unsigned h;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(c));
+  return h;
+}
+
+// the low and the high f16 of h as fp32 (exact); PTX: the prelude comes before the CUDA headers
+__device__ __forceinline__ float dsv41c_f16_lo(unsigned h) {
+  float f;
+  asm("{.reg .b16 l, u;\n mov.b32 {l, u}, %1;\n cvt.f32.f16 %0, l;\n}" : "=f"(f) : "r"(h));
+  return f;
+}
+
+__device__ __forceinline__ float dsv41c_f16_hi(unsigned h) {
+  float f;
+  asm("{.reg .b16 l, u;\n mov.b32 {l, u}, %1;\n cvt.f32.f16 %0, u;\n}" : "=f"(f) : "r"(h));
+  return f;
+}
+
+// 8 E4M3 codes (the 8 bytes at codes) with the UE8M0 scale byte s -> 8 bf16 at out
+__device__ __forceinline__ void dsv41c_fp8_row8(const void* codes, unsigned s, void* out) {
+  const uint2 c = *reinterpret_cast<const uint2*>(codes);
+  const float scale = __uint_as_float(s == 0u ? 0x00400000u : (s == 255u ? 0x7FC00000u : s << 23));
+  const unsigned w[2] = {c.x, c.y};
+  unsigned o[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const unsigned h = dsv41c_e4m3x2_f16x2(static_cast<unsigned short>(w[k / 2] >> (16 * (k % 2))));
+    o[k] = dsv41c_pack_bf16x2(dsv41c_f16_lo(h) * scale, dsv41c_f16_hi(h) * scale);
+  }
+  *reinterpret_cast<uint4*>(out) = make_uint4(o[0], o[1], o[2], o[3]);
+}
+
+// 8 E2M1 codes (the 4 bytes at codes; value 2k in the low nibble of byte k) with the E4M3 scale
+// byte s -> 8 bf16 at out
+__device__ __forceinline__ void dsv41c_fp4_row8(const void* codes, unsigned s, void* out) {
+  unsigned x[4];
+  dsv41c_e2m1_words(*reinterpret_cast<const unsigned*>(codes), x);
+  const float f = dsv41c_f16_lo(dsv41c_e4m3x2_f16x2(static_cast<unsigned short>(s & 0xFFu)));
+  const unsigned sc = dsv41c_pack_bf16x2(f, f);
+  const unsigned o[4] = {__byte_perm(x[0], x[1], 0x5410), __byte_perm(x[2], x[3], 0x5410),
+                         __byte_perm(x[0], x[1], 0x7632), __byte_perm(x[2], x[3], 0x7632)};
+  unsigned v[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) v[k] = dsv41c_mul_bf16x2(dsv41c_mul_bf16x2(o[k], 0x7E807E80u), sc);
+  *reinterpret_cast<uint4*>(out) = make_uint4(v[0], v[1], v[2], v[3]);
+}
+"""
 
 
 # ------------------------------------------------------------------------------------- refs
@@ -324,9 +388,10 @@ def _cuda_prim_func(kind, H, d, scale, split):
         T.ptx_commit_group()
 
     @T.macro
-    def decode(stage, stage_s, rowS, buf, KVs, lut, cb, vl, bb, tx):
+    def decode(stage, stage_s, rowS, buf, KVs, cb, vl, bb, tx):
         """The staged rows named in rowS[buf] into KVs [BLOCK, d] as bf16 (zeros for -1): each item
-        (8 values) is read from the stage and scales, decoded and stored as one 16-byte vector."""
+        (8 values) is read from the stage and scales, decoded (`_ROW8_PRELUDE`) and stored as one
+        16-byte vector."""
         for u in T.unroll(items):
             r = (u * threads + tx) // per_row
             c0 = (u * threads + tx) % per_row * vec
@@ -343,9 +408,8 @@ def _cuda_prim_func(kind, H, d, scale, split):
                 else:
                     for j in T.vectorized(vec):
                         cb[j] = stage[r, c0 + j]
-                    for j in T.unroll(vec):
-                        vl[j] = T.Cast(bf, T.Cast(f32, T.reinterpret(cb[j], "float8_e4m3fn"))
-                                       * _e8m0_value(T.Cast("uint32", stage_s[r, c0 // 32])))
+                    T.call_extern("handle", "dsv41c_fp8_row8", T.address_of(cb[0]),
+                                  T.Cast("uint32", stage_s[r, c0 // 32]), T.address_of(vl[0]))
                     for j in T.vectorized(vec):
                         KVs[r, c0 + j] = vl[j]
             else:  # packed E2M1 codes: values c0..c0+7 are bytes c0/2..c0/2+3 of the stage row
@@ -356,10 +420,8 @@ def _cuda_prim_func(kind, H, d, scale, split):
                     for j in T.unroll(vec // 2):
                         cb[j] = T.Cast("uint8", T.reinterpret(stage[r, c0 // 4 + j // 2], "uint16")
                                        >> T.uint16(8 * (j % 2)))
-                scale_v = _e4m3_value(T.Cast("uint32", stage_s[r, c0 // 16]))
-                for j in T.unroll(vec // 2):
-                    vl[2 * j] = T.Cast(bf, lut[cb[j] & T.uint8(0xF)] * scale_v)
-                    vl[2 * j + 1] = T.Cast(bf, lut[cb[j] >> T.uint8(4)] * scale_v)
+                T.call_extern("handle", "dsv41c_fp4_row8", T.address_of(cb[0]),
+                              T.Cast("uint32", stage_s[r, c0 // 16]), T.address_of(vl[0]))
                 for j in T.vectorized(vec):
                     KVs[r, c0 + j] = vl[j]
 
@@ -382,9 +444,6 @@ def _cuda_prim_func(kind, H, d, scale, split):
         stage = T.alloc_shared((BLOCK, d), stage_t)
         stage_s = T.alloc_shared((BLOCK, d // 16), "uint8")
         rowS = T.alloc_shared((2, BLOCK), "int32")  # rows of blocks i, i+1 (by parity), -1 for none
-        # the 16 E2M1 values: a table look-up (conflict-free: one word per bank) costs fewer
-        # instructions than decoding the bits, and the decode competes with nothing else for them
-        lut = T.alloc_shared((16,), f32)
         Sf = T.alloc_fragment((HB, BLOCK), f32)
         acc = T.alloc_fragment((HB, d), f32)
         mrun = T.alloc_fragment((HB,), f32)
@@ -402,8 +461,6 @@ def _cuda_prim_func(kind, H, d, scale, split):
             next_row(R, nxt, bb, bs, blk0, tx)
             rowS[0, tx] = T.Select(nxt[0] < _rows_total(kind, N, R), nxt[0], -1)
             next_row(R, nxt, bb, bs, blk0 + 1, tx)
-        if tx < 16:
-            lut[tx] = _e2m1_value(T.Cast("uint32", tx))
         T.sync_threads()
         if nb > 0:  # the first block's copies run while q is loaded
             issue(R, stage, stage_s, rowS, 0, bb, tx)
@@ -422,7 +479,7 @@ def _cuda_prim_func(kind, H, d, scale, split):
         for i in T.serial(nb):
             T.ptx_wait_group(0)
             T.sync_threads()  # block i staged (every thread's copies); the previous GEMMs done with KVs
-            decode(stage, stage_s, rowS, i % 2, KVs, lut, cb, vl, bb, tx)
+            decode(stage, stage_s, rowS, i % 2, KVs, cb, vl, bb, tx)
             if tx < BLOCK:  # rowS[(i+1) % 2] was last read by block i-1's masks
                 rowS[(i + 1) % 2, tx] = T.Select(nxt[0] < _rows_total(kind, N, R), nxt[0], -1)
                 next_row(R, nxt, bb, bs, blk0 + i + 2, tx)
@@ -478,14 +535,16 @@ def _cuda_prim_func(kind, H, d, scale, split):
     ot, opt = T.Tensor((B, S, H, d), bf), T.Tensor((B, S, NS, H, d), f32)
     mpt, lpt = T.Tensor((B, S, NS, H), f32), T.Tensor((B, S, NS, H), f32)
 
+    prelude = None if kind == "plain" else _ROW8_PRELUDE
+
     @T.macro
     def run(R):
         if split:
-            with T.Kernel(NS, S, B * HG, threads=threads) as (bj, bs, bz):
+            with T.Kernel(NS, S, B * HG, threads=threads, prelude=prelude) as (bj, bs, bz):
                 TCU.pdl_trigger()  # the combine kernel may launch once every CTA of this one has started
                 attend(R, bj, bs, bz // HG, bz % HG)
         else:
-            with T.Kernel(S, B, HG, threads=threads) as (bs, bb, bh):
+            with T.Kernel(S, B, HG, threads=threads, prelude=prelude) as (bs, bb, bh):
                 attend(R, 0, bs, bb, bh)
 
     if kind == "plain" and split:

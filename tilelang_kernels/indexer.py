@@ -65,6 +65,7 @@ import tilelang.language as T
 import torch
 import torch.nn.functional as F
 from dsv41c.tilelang_kernels.quant import (
+    CUDA_E2M1_WORDS,
     NO_GUARD_ATTR,
     NO_SYNC_ATTR,
     _e2m1_value,
@@ -591,41 +592,7 @@ def fp8_scoring(H: int, d: int, cand: bool) -> bool:
 # 2^(s-1), a bf16 there, instead: the same single rounding of the same exact product.
 # The 8 values of a word are stored as (0,4), (1,5), (2,6), (3,7): the query is permuted the same
 # way (`_qperm`), so the dot products are unchanged.
-_DECODE_PRELUDE = r"""
-// bf16x2 multiply, round to nearest even, subnormals kept (PTX mul.bf16x2 has no flush-to-zero).
-__device__ __forceinline__ unsigned dsv41c_mul_bf16x2(unsigned a, unsigned b) {
-  unsigned d;
-  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
-
-// Bits of b where the immediate mask m is set, of a elsewhere: one LOP3 (the compiler splits the
-// C form into two, each taking one of m and ~m).
-template <unsigned m>
-__device__ __forceinline__ unsigned dsv41c_bitselect(unsigned a, unsigned b) {
-  unsigned d;
-  asm("lop3.b32 %0, %1, %2, %3, 0xD8;" : "=r"(d) : "r"(a), "r"(b), "n"(m));
-  return d;
-}
-
-// Nibbles i and i + 4 of w (i = 0..3) as the bf16x2 x[i] of E2M1 x 2^-126 (bit moves only).  The
-// sign of a nibble lies 6 bits further from its bf16 place than the magnitude, so a copy of each
-// sign 6 bits above it (over bit 1 of a nibble the pair does not read) lets one shift and one mask
-// move both: 12 integer ops a word instead of 15.  Nibbles 6 and 7 would need copies past bit 31,
-// so pairs 2 and 3 shift right through a funnel with `hi` = w >> 26 above.  (Checked against the
-// two-shift form on all 2^32 words.)
-__device__ __forceinline__ void dsv41c_e2m1_words(unsigned w, unsigned* x) {
-  const unsigned m = 0x81C081C0u;  // per half: sign (bit 15), magnitude (bits 8..6)
-  unsigned s6 = w << 6;
-  unsigned v01 = dsv41c_bitselect<0x22002200u>(w, s6);  // signs of nibbles 0, 1, 4, 5 at 9, 13, 25, 29
-  unsigned v23 = dsv41c_bitselect<0x00220000u>(w, s6);  // signs of nibbles 2, 3 at 17, 21
-  unsigned hi = w >> 26;                                     // signs of nibbles 6, 7 at 33, 37 of hi:v23
-  x[0] = (v01 << 6) & m;
-  x[1] = (v01 << 2) & m;
-  x[2] = __funnelshift_r(v23, hi, 2) & m;
-  x[3] = __funnelshift_r(v23, hi, 6) & m;
-}
-
+_DECODE_PRELUDE = CUDA_E2M1_WORDS + r"""
 // The n words o[] of E2M1 x 2^-126 times the scale 2^(s-127) of UE8M0 byte s.
 template <int n>
 __device__ __forceinline__ void dsv41c_scale_words(unsigned s, unsigned* o) {

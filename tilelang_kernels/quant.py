@@ -57,6 +57,61 @@ _VEC = 8  # CUDA: consecutive values per chunk (16 B of bf16, 8 B of fp8 codes)
 _WORD_VEC = 16  # CUDA, bf16 fp4 quantisers: values per chunk (32 B of bf16, 8 B of codes)
 
 
+# ------------------------------------------------------------------------------------- CUDA device code
+# shared by the kernel modules' preludes (`T.Kernel(..., prelude=...)`)
+
+# two fp32 values rounded to nearest even into one word of two bf16 (lo in the low half)
+CUDA_PACK_BF16X2 = """
+__device__ __forceinline__ unsigned dsv41c_pack_bf16x2(float lo, float hi) {
+  unsigned r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+"""
+
+# E2M1 codes to bf16 by bit moves: code nibble j of a 32-bit word (bits 4j..4j+3: sign bit 3,
+# magnitude e1 e0 m) is element j of the word's 8.  Nibbles j and j + 4 go into one bf16x2 word by
+# a shift and a mask: magnitude bits to bf16 bits 8..6 (exponent low bits and the top mantissa bit)
+# and the sign to bit 15, which spells E2M1 x 2^-126 exactly (code 1, 0.5, becomes the bf16
+# subnormal 2^-127); a bf16x2 multiply (which keeps subnormals) then applies 2^126 and a scale.
+CUDA_E2M1_WORDS = r"""
+// bf16x2 multiply, round to nearest even, subnormals kept (PTX mul.bf16x2 has no flush-to-zero).
+__device__ __forceinline__ unsigned dsv41c_mul_bf16x2(unsigned a, unsigned b) {
+  unsigned d;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// Bits of b where the immediate mask m is set, of a elsewhere: one LOP3 (the compiler splits the
+// C form into two, each taking one of m and ~m).
+template <unsigned m>
+__device__ __forceinline__ unsigned dsv41c_bitselect(unsigned a, unsigned b) {
+  unsigned d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xD8;" : "=r"(d) : "r"(a), "r"(b), "n"(m));
+  return d;
+}
+
+// Nibbles i and i + 4 of w (i = 0..3) as the bf16x2 x[i] of E2M1 x 2^-126 (bit moves only).  The
+// sign of a nibble lies 6 bits further from its bf16 place than the magnitude, so a copy of each
+// sign 6 bits above it (over bit 1 of a nibble the pair does not read) lets one shift and one mask
+// move both: 12 integer ops a word instead of 15.  Nibbles 6 and 7 would need copies past bit 31,
+// so pairs 2 and 3 shift right through a funnel with `hi` = w >> 26 above.  (Checked against the
+// two-shift form on all 2^32 words.)
+__device__ __forceinline__ void dsv41c_e2m1_words(unsigned w, unsigned* x) {
+  const unsigned m = 0x81C081C0u;  // per half: sign (bit 15), magnitude (bits 8..6)
+  unsigned s6 = w << 6;
+  unsigned v01 = dsv41c_bitselect<0x22002200u>(w, s6);  // signs of nibbles 0, 1, 4, 5 at 9, 13, 25, 29
+  unsigned v23 = dsv41c_bitselect<0x00220000u>(w, s6);  // signs of nibbles 2, 3 at 17, 21
+  unsigned hi = w >> 26;                                     // signs of nibbles 6, 7 at 33, 37 of hi:v23
+  x[0] = (v01 << 6) & m;
+  x[1] = (v01 << 2) & m;
+  x[2] = __funnelshift_r(v23, hi, 2) & m;
+  x[3] = __funnelshift_r(v23, hi, 6) & m;
+}
+
+"""
+
+
 def _f32_bits(v: float) -> int:
     """IEEE bits of fp32(v), the constant torch uses for a Python float scalar in fp32 maths."""
     return torch.tensor(v, dtype=torch.float32).view(torch.int32).item() & 0xFFFFFFFF
