@@ -106,6 +106,102 @@ _NEG_BIG = -1e30
 # About 33-36 SASS instructions an item, against 45 (FP4, a table of the 16 E2M1 values) and 90
 # (FP8, per-value conversions, the scale's special cases made per value) before: 1.19x at batch 32
 # and 1.25x at batch 1 in a CUDA graph on an H100 (BENCHMARKS.md).
+# CUDA: the online softmax's row reductions by hand (1), in place of TileLang's T.reduce_max and
+# T.reduce_sum (0): prepared, not yet timed on a GPU.  S [64 heads, 64 entries] is split over the two
+# warpgroups by entries, so each of TileLang's row reductions crosses them through shared memory:
+# per block, for each of a thread's two rows, a __syncthreads and two named barriers, both for the
+# max and for the sum, 12 CTA-wide barriers in all.  By hand (`_SOFTMAX_PRELUDE`): one exchange of
+# the warpgroups' row maxima a block (one named barrier), and the sums kept per thread (the same
+# running max rescales every thread's partial, so they add up to the row's sum) until the loop ends.
+_ONE_EXCHANGE = 0
+
+# The wgmma accumulator layout of S (T.gemm's, read off its lowered code): warpgroup g holds entries
+# 32g..32g+31; thread t (warp w of its warpgroup, lane l) rows r0 = 16w + l/4 and r0 + 8 (h = 0, 1)
+# at s[4j + 2h + e], entry 32g + 8j + 2(l % 4) + e (j = 0..3, e = 0, 1); the four lanes of a quad
+# share rows.  xch: 2 x 64 fp32 of shared memory.
+_SOFTMAX_PRELUDE = r"""
+// One block's online softmax for the thread's two rows h (the module docstring's numerics):
+// s = valid ? s * scale : -inf (valid: the entry's row number >= 0); the block's row max over both
+// warpgroups (quad shuffles, then one exchange through xch); m = max(that, mrun), alpha =
+// exp(mrun - m), s = exp(s - m) (0 where invalid); den = den * alpha + the thread's part of the row
+// sum; mrun = m.
+__device__ __forceinline__ void dsv41c_softmax_block(float* s, const int* rows, float* mrun, float* den,
+                                                     float* alpha, float* xch, float scale) {
+  const int t = threadIdx.x, g = t >> 7, l = t & 31, r0 = 16 * ((t >> 5) & 3) + (l >> 2);
+  const float ninf = __int_as_float(0xff800000);
+  bool ok[8];
+  float mx[2] = {ninf, ninf};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int2 v = *reinterpret_cast<const int2*>(rows + 32 * g + 8 * j + 2 * (l & 3));
+    ok[2 * j] = v.x >= 0;
+    ok[2 * j + 1] = v.y >= 0;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& x = s[4 * j + 2 * h + e];
+        x = ok[2 * j + e] ? x * scale : ninf;
+        mx[h] = fmaxf(mx[h], x);
+      }
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+  }
+  if ((l & 3) == 0) {
+    xch[64 * g + r0] = mx[0];
+    xch[64 * g + r0 + 8] = mx[1];
+  }
+  asm volatile("bar.sync 8, 256;" ::: "memory");
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float m = fmaxf(fmaxf(mx[h], xch[64 * (g ^ 1) + r0 + 8 * h]), mrun[h]);
+    alpha[h] = expf(mrun[h] - m);
+    float part = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& x = s[4 * j + 2 * h + e];
+        x = expf(x - m);  // an unlisted entry's -inf gives 0 (m is finite: at least -1e30)
+        part += x;
+      }
+    }
+    den[h] = den[h] * alpha[h] + part;
+    mrun[h] = m;
+  }
+}
+
+// acc[4j + 2h + e] (the n fp32 of a wgmma accumulator, rows h as above) times f[h], or divided by it
+template <bool divide>
+__device__ __forceinline__ void dsv41c_rows_scale(float* acc, const float* f, int n) {
+#pragma unroll
+  for (int i = 0; i < n; ++i) acc[i] = divide ? acc[i] / f[(i >> 1) & 1] : acc[i] * f[(i >> 1) & 1];
+}
+
+// v[h] = the sum of v[h] over the row's eight threads (a quad of each warpgroup); the same value in
+// each (the additions commute)
+__device__ __forceinline__ void dsv41c_row_total(float* v, float* xch) {
+  const int t = threadIdx.x, g = t >> 7, l = t & 31, r0 = 16 * ((t >> 5) & 3) + (l >> 2);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    v[h] += __shfl_xor_sync(0xffffffffu, v[h], 1);
+    v[h] += __shfl_xor_sync(0xffffffffu, v[h], 2);
+  }
+  asm volatile("bar.sync 8, 256;" ::: "memory");
+  if ((l & 3) == 0) {
+    xch[64 * g + r0] = v[0];
+    xch[64 * g + r0 + 8] = v[1];
+  }
+  asm volatile("bar.sync 8, 256;" ::: "memory");
+  v[0] += xch[64 * (g ^ 1) + r0];
+  v[1] += xch[64 * (g ^ 1) + r0 + 8];
+}
+"""
+
 _ROW8_PRELUDE = CUDA_PACK_BF16X2 + CUDA_E2M1_WORDS + r"""
 __device__ __forceinline__ unsigned dsv41c_e4m3x2_f16x2(unsigned short c) {
   unsigned h;
@@ -342,6 +438,8 @@ def _cuda_prim_func(kind, H, d, scale, split):
     B, S, K, N, NC, NS = D["B"], D["S"], D["K"], D["N"], D["NC"], T.dynamic("NS")
     HB, threads = _CUDA_HEADS, _CUDA_THREADS
     HG = -(-H // HB)
+    xwg = bool(_ONE_EXCHANGE) and threads == 256  # the row reductions by hand (`_SOFTMAX_PRELUDE`)
+    nacc = HB * d // threads  # fp32 of acc a thread holds
     vec = 8  # values per decoded item: 16 B of bf16 in shared memory
     per_row = d // vec
     items = BLOCK * per_row // threads  # decoded items per thread and block
@@ -446,14 +544,18 @@ def _cuda_prim_func(kind, H, d, scale, split):
         rowS = T.alloc_shared((2, BLOCK), "int32")  # rows of blocks i, i+1 (by parity), -1 for none
         Sf = T.alloc_fragment((HB, BLOCK), f32)
         acc = T.alloc_fragment((HB, d), f32)
-        mrun = T.alloc_fragment((HB,), f32)
-        mnew = T.alloc_fragment((HB,), f32)
-        alpha = T.alloc_fragment((HB,), f32)
-        den = T.alloc_fragment((HB,), f32)
-        psum = T.alloc_fragment((HB,), f32)
+        if xwg:  # a thread's two rows (`_SOFTMAX_PRELUDE`); the warpgroups' row maxima or sums
+            mrun, den, alpha = (T.alloc_local((2,), f32) for _ in range(3))
+            xch = T.alloc_shared((2 * HB,), f32)
+        else:
+            mrun, mnew, alpha, den, psum = (T.alloc_fragment((HB,), f32) for _ in range(5))
         cb = T.alloc_local((vec,), "uint8")  # one item's codes
         vl = T.alloc_local((vec,), bf)
         nxt = T.alloc_local((1,), "int32")
+        # the run's first block and length, made once: as expressions, the division by NS was
+        # redone in the loop, there a 64-bit one (a subroutine call) inside the list-entry index
+        blk0 = T.alloc_var("int32")
+        nb = T.alloc_var("int32")
         blk0 = bj * T.ceildiv(T.ceildiv(K, BLOCK), NS) if split else 0
         nb = T.max(T.min(T.ceildiv(T.ceildiv(K, BLOCK), NS), T.ceildiv(K, BLOCK) - blk0), 0) if split \
             else T.ceildiv(K, BLOCK)
@@ -487,27 +589,57 @@ def _cuda_prim_func(kind, H, d, scale, split):
             if i + 1 < nb:  # block i+1's copies, in flight during block i's GEMMs
                 issue(R, stage, stage_s, rowS, (i + 1) % 2, bb, tx)
             T.gemm(Qs, KVs, Sf, transpose_B=True, clear_accum=True)
-            for h, e in T.Parallel(HB, BLOCK):
-                Sf[h, e] = T.if_then_else(rowS[i % 2, e] >= 0, Sf[h, e] * _f32_const(scale), -T.infinity(f32))
-            T.reduce_max(Sf, mnew, dim=1, clear=True)
-            for h in T.Parallel(HB):
-                mnew[h] = T.max(mnew[h], mrun[h])
-                alpha[h] = T.exp(mrun[h] - mnew[h])
-            for h, e in T.Parallel(HB, BLOCK):
-                Sf[h, e] = T.if_then_else(rowS[i % 2, e] >= 0, T.exp(Sf[h, e] - mnew[h]), T.float32(0))
-            T.reduce_sum(Sf, psum, dim=1)
-            for h in T.Parallel(HB):
-                den[h] = den[h] * alpha[h] + psum[h]
-                mrun[h] = mnew[h]
-            T.copy(Sf, Ps)
-            for h, c in T.Parallel(HB, d):
-                acc[h, c] = acc[h, c] * alpha[h]
+            if xwg:
+                T.call_extern("handle", "dsv41c_softmax_block", Sf.data,
+                              T.address_of(rowS[i % 2, 0]), T.address_of(mrun[0]), T.address_of(den[0]),
+                              T.address_of(alpha[0]), T.address_of(xch[0]), _f32_const(scale))
+                T.copy(Sf, Ps)
+                T.call_extern("handle", "dsv41c_rows_scale<false>", acc.data,
+                              T.address_of(alpha[0]), nacc)
+            else:
+                for h, e in T.Parallel(HB, BLOCK):
+                    Sf[h, e] = T.if_then_else(rowS[i % 2, e] >= 0, Sf[h, e] * _f32_const(scale),
+                                              -T.infinity(f32))
+                T.reduce_max(Sf, mnew, dim=1, clear=True)
+                for h in T.Parallel(HB):
+                    mnew[h] = T.max(mnew[h], mrun[h])
+                    alpha[h] = T.exp(mrun[h] - mnew[h])
+                for h, e in T.Parallel(HB, BLOCK):
+                    Sf[h, e] = T.if_then_else(rowS[i % 2, e] >= 0, T.exp(Sf[h, e] - mnew[h]), T.float32(0))
+                T.reduce_sum(Sf, psum, dim=1)
+                for h in T.Parallel(HB):
+                    den[h] = den[h] * alpha[h] + psum[h]
+                    mrun[h] = mnew[h]
+                T.copy(Sf, Ps)
+                for h, c in T.Parallel(HB, d):
+                    acc[h, c] = acc[h, c] * alpha[h]
             T.gemm(Ps, KVs, acc)
-        if split:  # unnormalised: the combine rescales every split to the final max
+        if xwg:
+            T.call_extern("handle", "dsv41c_row_total", T.address_of(den[0]), T.address_of(xch[0]))
+            rows = [0, 1]  # the thread's rows: head[k] (a list: unrolled at trace time)
+            head = [16 * (tx % 128 // 32) + tx % 32 // 4 + 8 * k for k in rows]
+            if split:  # one thread of each row's eight stores its max and sum
+                if tx % 4 == 0 and tx < 128:
+                    for k in rows:
+                        if bh * HB + head[k] < H:
+                            R["MP"][bb, bs, bj, bh * HB + head[k]] = mrun[k]
+                            R["LP"][bb, bs, bj, bh * HB + head[k]] = den[k]
+            else:
+                for k in rows:
+                    den[k] = den[k] + T.exp(R["SINK"][T.min(bh * HB + head[k], H - 1)] - mrun[k])
+                T.call_extern("handle", "dsv41c_rows_scale<true>", acc.data, T.address_of(den[0]),
+                              nacc)
+        elif split:
             for h in T.Parallel(HB):
                 if bh * HB + h < H:
                     R["MP"][bb, bs, bj, bh * HB + h] = mrun[h]
                     R["LP"][bb, bs, bj, bh * HB + h] = den[h]
+        else:
+            for h in T.Parallel(HB):
+                den[h] = den[h] + T.exp(R["SINK"][T.min(bh * HB + h, H - 1)] - mrun[h])
+            for h, c in T.Parallel(HB, d):
+                acc[h, c] = acc[h, c] / den[h]
+        if split:  # unnormalised: the combine rescales every split to the final max
             if H % HB == 0:
                 T.copy(acc, R["OP"][bb, bs, bj, bh * HB:(bh + 1) * HB, :])
             else:
@@ -515,10 +647,6 @@ def _cuda_prim_func(kind, H, d, scale, split):
                     if bh * HB + h < H:
                         R["OP"][bb, bs, bj, bh * HB + h, c] = acc[h, c]
         else:
-            for h in T.Parallel(HB):
-                den[h] = den[h] + T.exp(R["SINK"][T.min(bh * HB + h, H - 1)] - mrun[h])
-            for h, c in T.Parallel(HB, d):
-                acc[h, c] = acc[h, c] / den[h]
             if H % HB == 0:
                 T.copy(acc, R["O"][bb, bs, bh * HB:(bh + 1) * HB, :])
             else:
@@ -535,7 +663,7 @@ def _cuda_prim_func(kind, H, d, scale, split):
     ot, opt = T.Tensor((B, S, H, d), bf), T.Tensor((B, S, NS, H, d), f32)
     mpt, lpt = T.Tensor((B, S, NS, H), f32), T.Tensor((B, S, NS, H), f32)
 
-    prelude = None if kind == "plain" else _ROW8_PRELUDE
+    prelude = ("" if kind == "plain" else _ROW8_PRELUDE) + (_SOFTMAX_PRELUDE if xwg else "") or None
 
     @T.macro
     def run(R):
