@@ -25,8 +25,7 @@ Bytes that any implementation must move per call (bf16 streams of m x D, one tok
 "% bound" = (bytes / copy bandwidth) / kernel time, where the copy bandwidth is a 4 GiB
 device-to-device copy (read + write) measured in the same run.  At T = 1 the bytes are ~100 KB,
 so the table also gives the latency against the launch floor: the time of as many back-to-back
-launches of an empty-work kernel as the op launches (2 for the mixing ops, 1 for post_collapse;
-with the finalize folded in, `_WG_FOLD=1`, the 2 are the kernel and the zeroing of its tickets).
+launches of an empty-work kernel as the op launches (2 for the mixing ops, 1 for post_collapse).
 "in a CUDA graph" replays calls captured in one CUDA graph: the device time alone, without the
 host's dispatch of the op (which the plain timing still sees when the host is the slower side).
 """

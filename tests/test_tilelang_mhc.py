@@ -22,7 +22,6 @@ What must hold:
     DESIGN.md's 2e-2 bf16 bound.
 """
 
-import re
 import secrets
 
 import pytest
@@ -250,12 +249,10 @@ def test_cuda_build_lowers_for_sm90():
         assert "cp_async_gs_conditional<16>" in src and f"cp_async_wait<{K._STAGES - 1}>" in src
 
 
-# (the fifth: each op with the number of blocks in flight that the other has by default; the sixth:
-# 12 streaming warps; the last two: the finalize folded into the kernel, the second with the
-# workspace rows dropped from L2 and blocks of 24 tokens: three rounds of 8)
+# (the fifth: each op with the number of blocks in flight that the other has by default; the last:
+# 12 streaming warps)
 WG_TUNINGS = ({}, {"_WG_KSPLIT": 2}, {"_WG_TPW": 1}, {"_WG_BLK": 24, "_WG_TPW": 3},
-              {"_WG_AHEAD_PRE": 1, "_WG_AHEAD_POST_PRE": 2}, {"_WG_BLK": 24, "_WG_TPW": 2}, {"_WG_FOLD": 1},
-              {"_WG_FOLD": 1, "_WG_DISCARD": 1, "_WG_BLK": 24, "_WG_TPW": 3})
+              {"_WG_AHEAD_PRE": 1, "_WG_AHEAD_POST_PRE": 2}, {"_WG_BLK": 24, "_WG_TPW": 2})
 
 
 def _wg_tuning(monkeypatch, **tuning):
@@ -307,7 +304,7 @@ def test_cuda_wgmma_kernel_lowers_for_sm90(kind, tuning, monkeypatch):
 
 
 @pytest.mark.parametrize("tuning", ({"_WG_BLK": 20}, {"_WG_TPW": 8}, {"_WG_KSPLIT": 3}, {"_WG_AHEAD_PRE": 0},
-                                    {"_WG_AHEAD_POST_PRE": -1}, {"_WG_FOLD": 2}, {"_WG_DISCARD": 2}),
+                                    {"_WG_AHEAD_POST_PRE": -1}),
                          ids=lambda t: ",".join(f"{k}={v}" for k, v in t.items()))
 def test_wgmma_kernel_refuses_an_invalid_tuning(tuning, monkeypatch):
     """A tuning the kernel cannot be built with (`benchmarks/mhc.py --set`) is a ValueError naming it."""
@@ -388,16 +385,15 @@ def test_cuda_post_collapse_lowers_for_sm90():
 # ----------------------------------------------------------------------------------- CUDA
 
 @pytest.mark.parametrize("dtype", ("bfloat16", "float32"))
-def test_cuda_finalize_lowers_for_sm90(dtype, monkeypatch):
-    """The finalize kernel: after the column-resident mixing kernel (bf16 streams, with the
-    finalize not folded in: `_WG_FOLD=0`) its sums over the column groups are unrolled loops over a
-    K fixed at build (D / 256 = 20 groups); after the other mixing kernel (fp32 streams, K picked
-    per call) loops over the workspace's dynamic leading dim. Either mixing kernel lets it launch
-    early (programmatic dependent launch: a trigger at the mixing kernel's start, the tag in the
-    finalize's launch parameters, and its wait before any workspace read)."""
+def test_cuda_finalize_lowers_for_sm90(dtype):
+    """The finalize kernel: after the column-resident mixing kernel (bf16 streams) its sums over the
+    column groups are unrolled loops over a K fixed at build (D / 256 = 20 groups); after the
+    other mixing kernel (fp32 streams, K picked per call) loops over the workspace's dynamic
+    leading dim. Either mixing kernel lets it launch early (programmatic dependent launch: a
+    trigger at the mixing kernel's start, the tag in the finalize's launch parameters, and its
+    wait before any workspace read)."""
     import tilelang
     from dsv41c.tilelang_kernels.quant import PDL_TAG, cuda_pass_configs
-    monkeypatch.setattr(K, "_WG_FOLD", 0)  # (the default)
     static = K.column_resident("post_pre", dtype, 5120)
     assert static == (dtype == "bfloat16")
     tgt = {"kind": "cuda", "arch": "sm_90a"}
@@ -417,39 +413,6 @@ def test_cuda_finalize_lowers_for_sm90(dtype, monkeypatch):
     assert body.index("cudaGridDependencySynchronize();") < body.index("WS[")
     assert body.count("for (int k") == 2 and body.count(" < 20; ++k") == 2 * static
     assert body.count("#pragma unroll") >= 2 * static
-
-
-@pytest.mark.parametrize("kind,discard", (("pre", 1), ("post_pre", 0)))  # (one lowering a case: ~11 s)
-def test_cuda_folded_finalize_lowers_for_sm90(kind, discard, monkeypatch):
-    """With `_WG_FOLD=1` the column-resident op is one kernel, without a programmatic launch. While
-    each block's wgmma run, the GEMM warpgroup draws the previous block's ticket and takes a queued
-    block (`dsv41c_fold_next`: G = 20 column groups, the blocks' count, no fence but the ticket's
-    release and the entry's acquire); the block it is handed, if any, it finalizes after the
-    block's epilogue: the 20 partials of each coefficient summed in order (unrolled, read through
-    L2), then the finalize's Sinkhorn, as the finalize kernel does. After its last block it draws
-    that block's ticket and drains the queue, in a loop that ends on -1. With `_WG_DISCARD` each
-    round of a finalize then drops its tokens' workspace rows from L2."""
-    monkeypatch.setattr(K, "_WG_FOLD", 1)
-    monkeypatch.setattr(K, "_WG_DISCARD", discard)
-    kernels = K.mhc_prim_funcs(kind, "bfloat16", 4, 5120, *HC.values(), "cuda")
-    assert [names[-2:] for names, _ in kernels] == [("WS", "TK")]
-    src = _sm90_source(kind, "bfloat16")
-    body = src[src.index("__global__ void __launch_bounds__"):]
-    assert "cudaTriggerProgrammaticLaunchCompletion" not in src and "cudaGridDependencySynchronize" not in src
-    assert "atom.acq_rel.gpu.global.add.s32" in src and "st.release.gpu.global.b32" in src
-    assert "ld.acquire.gpu.global.b32" in src and src.count("bar.sync 1, 128;") == 2
-    assert "__threadfence" not in src
-    fin = body[body.index("nx = dsv41c_fold_next(TK, "):body.index("dsv41c_setmaxnreg_inc")]  # to the streaming warps
-    # between block i's wgmma issue and wait: block i - 1's ticket (none for the first block)
-    assert body.index("dsv41c_wgmma_n16(") < body.index("nx = dsv41c_fold_next(TK, ") < body.index(
-        "dsv41c_wgmma_wait()")
-    calls = re.findall(r"nx = dsv41c_fold_next\(TK, ([^\n]*?), 20, \(\(N \+ 15\) >> 4\), sm, ", fin)
-    assert len(calls) == 3 and "-1" not in calls[:2] and calls[2] == "-1", calls
-    assert "while (1) {" in fin
-    # a finalize where a block is handed out in the loop, and one in the drain
-    assert fin.count(" < 20; ++k") == 4 and fin.count("dsv41c_ldcg(WS, ") == 8
-    assert fin.count("PRE[") == fin.count("POST[") == fin.count("COMB[") == 2 and "__shfl_xor_sync" in fin
-    assert fin.count("dsv41c_discard(WS, ") == 2 * discard and ("__syncwarp()" in fin) == bool(discard)
 
 
 @pytest.mark.gpu

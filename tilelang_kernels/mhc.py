@@ -78,10 +78,7 @@ CUDA (sm_90a: wgmma needs the arch-specific target).
      its tail, and the finalize waits (griddepcontrol) before it reads the workspace.  After the
      column-resident kernel its K = D / 256 is fixed at build, so the K loops unroll.  (One thread per
      token, with the Sinkhorn's 39 normalisations serial in it, took 50 us at any T: ~99K cycles of
-     dependent divisions, more than the main kernel at T = 1.)  Prepared, not yet run on a GPU
-     (`_WG_FOLD`, off): the column-resident kernel running these lanes itself, block by block, in
-     whichever CTA takes the block from a queue once its last CTA has published it, so the op is
-     one launch.
+     dependent divisions, more than the main kernel at T = 1.)
 """
 
 import functools
@@ -92,6 +89,7 @@ import tilelang.cuda.language as TCU
 import tilelang.language as T
 import torch
 from dsv41c.tilelang_kernels.quant import (
+    CUDA_PACK_BF16X2,
     NO_SYNC_ATTR,
     _bits,
     _store,
@@ -141,20 +139,6 @@ _WG_GEMM_REGS = 88
 # post_pre from 76% to 65% (its three sets spill).
 _WG_AHEAD_PRE = 2
 _WG_AHEAD_POST_PRE = 1
-# CUDA mixing kernel for bf16 streams: the finalize a kernel of its own launched after it (0), or
-# folded into it (1): the last of a token block's D / 256 CTAs to store its partial mixes (a ticket
-# a block) publishes the block in a queue, from which each CTA's GEMM warpgroup takes one block
-# after each of its own, and reduces the block's partials, read back from L2, and runs the Sinkhorn
-# while its streaming warps go on: one launch, and no second pass over the workspace from DRAM (the
-# finalize kernel is 7-12% of an op's time on an H200, BENCHMARKS.md).  (Not the last CTA itself:
-# a block's finalize, up to ~30K warp instructions by the SASS counts, is longer than a block's
-# streaming, so a CTA that fell behind would be the last of every block and do every finalize of
-# its token group.)
-# `_WG_DISCARD=1` (with the fold) then drops the workspace's rows from L2 once read, so they are
-# never written back to DRAM.  Prepared on the CPU host (it lowers, compiles for sm_90a without
-# spills); not yet run on a GPU, so off until it is checked and timed there.
-_WG_FOLD = 0
-_WG_DISCARD = 0
 
 
 def column_resident(kind: str, dtype: str, D: int) -> bool:
@@ -260,7 +244,6 @@ _SHAPES = {  # buffer name -> (shape, dtype) with N = tokens, S = stream dtype, 
     "H": ("NmD", "S"), "Y": ("ND", "S"), "RES": ("NmD", "S"), "HN": ("NmD", "S"), "X": ("ND", "S"),
     "PIN": ("Nm", "f"), "CIN": ("Nmm", "f"), "PD": ("Nm", "f"), "PRE": ("Nm", "f"), "POST": ("Nm", "f"),
     "COMB": ("Nmm", "f"), "FN": ("xF", "f"), "SC": ("3", "f"), "BASE": ("x", "f"), "WS": ("KNP", "f"),
-    "TK": ("Q", "i"),
 }
 _PARAMS = {  # (kind, role) -> parameter names, inputs first
     ("pre", "c"): ("H", "FN", "SC", "BASE", "PD", "X", "PRE", "POST", "COMB"),
@@ -270,21 +253,15 @@ _PARAMS = {  # (kind, role) -> parameter names, inputs first
     ("post_pre", "main"): ("Y", "RES", "PIN", "CIN", "PD", "FN", "HN", "X", "WS"),
     ("post_collapse", "main"): ("Y", "RES", "PIN", "CIN", "PD", "HN", "X"),
     ("finalize", "main"): ("WS", "SC", "BASE", "PRE", "POST", "COMB"),
-    # the column-resident kernel with the finalize folded in (`_WG_FOLD`)
-    ("pre", "fold"): ("H", "FN", "SC", "BASE", "PD", "X", "PRE", "POST", "COMB", "WS", "TK"),
-    ("post_pre", "fold"): ("Y", "RES", "PIN", "CIN", "PD", "FN", "SC", "BASE", "HN", "X", "PRE", "POST", "COMB",
-                           "WS", "TK"),
 }
 
 
 def _buffers(names, sdt, m, D, splits=1):
     """The T.Tensor types of `names` as attributes, with one symbolic token count N."""
     N = T.dynamic("N")
-    dims = {"N": N, "m": m, "D": D, "3": 3, "x": 2 * m + m * m, "F": m * D, "K": splits, "P": _NPAD,
-            "Q": T.dynamic("NQ")}
-    dtypes = {"S": sdt, "f": "float32", "i": "int32"}
-    return SimpleNamespace(**{n: T.Tensor(tuple(dims[c] for c in _SHAPES[n][0]), dtypes[_SHAPES[n][1]])
-                              for n in names}), N
+    dims = {"N": N, "m": m, "D": D, "3": 3, "x": 2 * m + m * m, "F": m * D, "K": splits, "P": _NPAD}
+    return SimpleNamespace(**{n: T.Tensor(tuple(dims[c] for c in _SHAPES[n][0]),
+                                          sdt if _SHAPES[n][1] == "S" else "float32") for n in names}), N
 
 
 def _prim_func(names, S, body):
@@ -315,17 +292,6 @@ def _prim_func(names, S, body):
         def main(Y: S.Y, RES: S.RES, PIN: S.PIN, CIN: S.CIN, PD: S.PD, FN: S.FN,
                  HN: S.HN, X: S.X, WS: S.WS):
             body(dict(zip(names, (Y, RES, PIN, CIN, PD, FN, HN, X, WS))))
-    elif names == _PARAMS["pre", "fold"]:
-        @T.prim_func
-        def main(H: S.H, FN: S.FN, SC: S.SC, BASE: S.BASE, PD: S.PD, X: S.X,
-                 PRE: S.PRE, POST: S.POST, COMB: S.COMB, WS: S.WS, TK: S.TK):
-            body(dict(zip(names, (H, FN, SC, BASE, PD, X, PRE, POST, COMB, WS, TK))))
-    elif names == _PARAMS["post_pre", "fold"]:
-        @T.prim_func
-        def main(Y: S.Y, RES: S.RES, PIN: S.PIN, CIN: S.CIN, PD: S.PD, FN: S.FN,
-                 SC: S.SC, BASE: S.BASE, HN: S.HN, X: S.X, PRE: S.PRE, POST: S.POST,
-                 COMB: S.COMB, WS: S.WS, TK: S.TK):
-            body(dict(zip(names, (Y, RES, PIN, CIN, PD, FN, SC, BASE, HN, X, PRE, POST, COMB, WS, TK))))
     else:
         assert names == _PARAMS["finalize", "main"], names
 
@@ -400,7 +366,7 @@ def _cpu_prim_func(kind, dtype, m, D, norm_eps, hc_eps, iters):
 def mhc_prim_funcs(kind, dtype, m, D, norm_eps, hc_eps, iters, target):
     """[(parameter names, prim_func)] of one op: its C kernel on "c"; on "cuda" the main kernel
     (the mixes kernel, or for post_collapse the flat streaming kernel), then for the mixing kinds
-    the finalize kernel (none after the column-resident kernel with `_WG_FOLD`: it finalizes)."""
+    the finalize kernel."""
     if kind not in KINDS or dtype not in ("float32", "bfloat16") or m < 1 or D < 1:
         raise ValueError(f"mhc kernels: unknown kind/dtype/shape {kind!r}/{dtype!r}/m={m}/D={D}")
     if target == "c":
@@ -408,11 +374,6 @@ def mhc_prim_funcs(kind, dtype, m, D, norm_eps, hc_eps, iters, target):
     if kind == "post_collapse":
         return [_cuda_stream_prim_func(dtype, m, D)]
     if column_resident(kind, dtype, D):
-        if _WG_FOLD not in (0, 1) or _WG_DISCARD not in (0, 1):
-            raise ValueError(f"mHC wgmma kernel tuning: _WG_FOLD={_WG_FOLD}, _WG_DISCARD={_WG_DISCARD}: "
-                             f"each needs 0 or 1")
-        if _WG_FOLD:
-            return [_cuda_wg_prim_func(kind, m, D, (norm_eps, hc_eps, iters))]
         main, splits = _cuda_wg_prim_func(kind, m, D), D // _CR_W
     else:
         main, splits = _cuda_mixes_prim_func(kind, dtype, m, D), None
@@ -465,9 +426,8 @@ def _signature(tensors) -> tuple:
 @functools.lru_cache(maxsize=1024)  # one entry per op, shape and device: the checks run once per key
 def _plan(kind, sig, eps):
     """Check an op's arguments from their `_signature` sig and plan its launch: (T, m, D, target,
-    ((kernel, positions of its parameters in inputs + outputs + workspace + tickets), ...),
-    workspace shape or None, the folded finalize's ticket ints or 0).  Raises ValueError naming
-    the first bad argument."""
+    ((kernel, positions of its parameters in inputs + outputs + workspace), ...), workspace shape
+    or None).  Raises ValueError naming the first bad argument."""
     op, names = f"mhc_{kind}", _INPUTS[kind]
     shape0, sdt, device = sig[names.index(_LEAD[kind])]
     if len(shape0) != 3 or sdt not in _DTYPES:
@@ -486,16 +446,14 @@ def _plan(kind, sig, eps):
         raise ValueError(f"{op}: the CUDA build needs D % {DC} == 0, 2m + m^2 < {_NPAD} and at most "
                          f"{65535 * TB} tokens (grid y), got D={d}, m={m}, T={n}")
     if n == 0:  # nothing to launch (and nothing to build)
-        return n, m, d, target, (), None, 0
+        return n, m, d, target, (), None
     ws = None
     if target != "c" and mixing:
         ws = (d // _CR_W if column_resident(kind, _DTYPES[sdt], d) else cuda_splits(d, n), n, _NPAD)
-    slots = (*names, *_OUTPUTS[kind], "WS", "TK")
-    built = build(kind, _DTYPES[sdt], m, d, *eps, target)
-    kernels = tuple((kernel, tuple(slots.index(p) for p in params)) for params, kernel in built)
-    folded = any("TK" in params for params, _ in built)
-    nb = -(-n // _WG_BLK)  # the column-resident kernel's token blocks: a ticket and a queue entry each
-    return n, m, d, target, kernels, ws, 2 * nb + 2 if folded else 0
+    slots = (*names, *_OUTPUTS[kind], "WS")
+    kernels = tuple((kernel, tuple(slots.index(p) for p in params))
+                    for params, kernel in build(kind, _DTYPES[sdt], m, d, *eps, target))
+    return n, m, d, target, kernels, ws
 
 
 def _kernel_arg(t: torch.Tensor, target: str) -> torch.Tensor:
@@ -509,9 +467,8 @@ def _kernel_arg(t: torch.Tensor, target: str) -> torch.Tensor:
 
 def _run(kind, inputs, eps, outputs):
     """Check the op's inputs (once per `_plan` key), allocate its outputs with `outputs(T, m, D)`,
-    run its kernels (the CUDA mixing kinds: over a fresh workspace; the folded finalize: with its
-    tickets zeroed) and return the outputs."""
-    n, m, d, target, kernels, ws, tickets = _plan(kind, _signature(inputs), eps)
+    run its kernels (the CUDA mixing kinds: over a fresh workspace) and return the outputs."""
+    n, m, d, target, kernels, ws = _plan(kind, _signature(inputs), eps)
     outs = outputs(n, m, d)
     if n:
         args = [_kernel_arg(t, target) for t in inputs]
@@ -521,8 +478,6 @@ def _run(kind, inputs, eps, outputs):
             args += outs
             if ws is not None:
                 args.append(outs[0].new_empty(ws, dtype=torch.float32))
-            if tickets:
-                args.append(outs[0].new_zeros(tickets, dtype=torch.int32))
         for kernel, slots in kernels:
             kernel(*[args[i] for i in slots])
     return outs
@@ -880,15 +835,6 @@ def _cuda_mixes_prim_func(kind, dtype, m, D):
     return names, _prim_func(names, S, body)
 
 
-# CUDA: two fp32 values rounded to nearest even into one word of two bf16 (lo in the low half)
-_PACK_BF16X2 = """
-__device__ __forceinline__ unsigned dsv41c_pack_bf16x2(float lo, float hi) {
-  unsigned r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-"""
-
 # CUDA: 16-byte global accesses at a running address p (an integer) plus a constant byte offset,
 # which ptxas folds into the instruction's immediate
 _RUNNING_ADDRS = """
@@ -960,60 +906,6 @@ __device__ __forceinline__ void dsv41c_mbar_wait(const void* p, unsigned off, un
 """
 
 
-# CUDA, sm_90: the finalize folded into the wgmma kernel (`_WG_FOLD`).  The ints q: q[b] block b's
-# ticket, q[nb + i] the i-th block published (+ 1; 0 until written), q[2 nb] the queue's tail and
-# q[2 nb + 1] its head.  `dsv41c_fold_next` is called by the 128 threads of a GEMM warpgroup once
-# its stores of block blk's partials are issued (blk < 0: none).  The warpgroup meets at named
-# barrier 1 and its thread 0 draws blk's ticket with a release (CUTLASS's semaphore pattern: the
-# barrier orders the other threads' stores before it); the CTA that draws G - 1 is the block's
-# last: it publishes the block, after that acquire, with a release store.  Thread 0 then takes the
-# oldest published block nobody has taken (a compare-and-swap on the head, then an acquire load of
-# the entry) and hands it to the warpgroup, or -1, through the shared word at offset off; after the
-# second meeting the warpgroup reads that block's partials (through L2).  The ticket's atomic and
-# the queue's head and tail load are in flight together.
-_FOLD_PRELUDE = """
-__device__ __forceinline__ void dsv41c_ld_pair(const int* p, int* a, int* b) {
-  asm volatile("ld.relaxed.gpu.global.v2.b32 {%0, %1}, [%2];" : "=r"(*a), "=r"(*b) : "l"(p) : "memory");
-}
-__device__ __forceinline__ int dsv41c_fold_next(const int* tickets, int blk, int G, int nb, const void* p,
-                                                unsigned off, int tx) {
-  int* q = const_cast<int*>(tickets);  // (TileLang declares them const: it sees no store to them)
-  asm volatile("bar.sync 1, 128;" ::: "memory");
-  if (tx == 0) {
-    int old = -1, tail, head, next = -1;
-    if (blk >= 0)
-      asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(q + blk) : "memory");
-    dsv41c_ld_pair(q + 2 * nb, &tail, &head);
-    if (old == G - 1) {  // the block's last CTA: publish it
-      int at = atomicAdd(q + 2 * nb, 1);
-      asm volatile("st.release.gpu.global.b32 [%0], %1;" :: "l"(q + nb + at), "r"(blk + 1) : "memory");
-      tail = max(tail, at + 1);
-    }
-    while (head < tail) {
-      if (atomicCAS(q + 2 * nb + 1, head, head + 1) == head) {
-        int v;
-        do {  // published: written right after the tail moved
-          asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(q + nb + head) : "memory");
-        } while (v == 0);
-        next = v - 1;
-        break;
-      }
-      dsv41c_ld_pair(q + 2 * nb, &tail, &head);
-    }
-    asm volatile("st.shared.b32 [%0], %1;" :: "r"(dsv41c_sbase(p) + off), "r"(next) : "memory");
-  }
-  asm volatile("bar.sync 1, 128;" ::: "memory");
-  int v;
-  asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(dsv41c_sbase(p) + off) : "memory");
-  return __shfl_sync(0xFFFFFFFFu, v, 0);
-}
-__device__ __forceinline__ float dsv41c_ldcg(const float* p, long long i) { return __ldcg(p + i); }
-__device__ __forceinline__ void dsv41c_discard(const float* p, long long i) {
-  asm volatile("discard.global.L2 [%0], 128;" :: "l"(p + i) : "memory");
-}
-"""
-
-
 class _WgLayout:
     """Byte offsets in the wgmma mixing kernel's shared memory (from the 1024-aligned base): fn^T's
     two pieces (the A operand), then two B tiles of h^T.  Both are K-major with the 128-byte
@@ -1066,7 +958,7 @@ __device__ __forceinline__ void dsv41c_wgmma_n{n}(float* d, const void* p, unsig
 """
 
 
-def _cuda_wg_prim_func(kind, m, D, fin=None):
+def _cuda_wg_prim_func(kind, m, D):
     """The column-resident wgmma mixing kernel for bf16 streams (module docstring, CUDA step 1).
 
     Grid (G = D / W column groups, P token groups), W = `_CR_W` = 256 columns of every stream per
@@ -1103,23 +995,10 @@ def _cuda_wg_prim_func(kind, m, D, fin=None):
       warpgroup (`_WG_GEMM_REGS`) to the streaming warps.  The wgmma and their waits sit in
       branches on a warp-uniform warpgroup index, and the epilogue reads every accumulator
       unconditionally: ptxas serialises every wgmma otherwise.
-    - With fin = (norm_eps, hc_eps, iters) (`_WG_FOLD`, prepared, not yet run on a GPU), the
-      finalize is folded in: once a block's partials are stored, the GEMM warpgroup draws the
-      block's ticket while the next block's wgmma run (the last block's after its loop;
-      `_FOLD_PRELUDE`, the ints TK, zeroed by the caller).  The CTA that draws G - 1 stored its
-      partials last and queues the block; every GEMM warpgroup takes the oldest queued block, if
-      any, with each ticket it draws, finalizes it after the current block's epilogue, and drains
-      the queue after its last block.  Finalizing runs the finalize kernel's lanes
-      (`_finalize_lanes_macro`, the same sums in the same order, so the same results) for the
-      block's tokens, in rounds of 128 // (lanes a token) tokens, reading the partials through L2
-      (`ld.global.cg`).  Its streaming warps are not held up at once: the next B tile is already
-      theirs, and the one after waits only for that block's GEMM.  `_WG_DISCARD` also drops each
-      round's workspace rows from L2 once its warps have used them (`discard.global.L2`), so the
-      partials never go back to DRAM.
     The wgmma are issued through inline PTX (`_WGMMA_PRELUDE`): TileLang's T.gemm divides a GEMM
     over all the CTA's threads."""
     expand = kind == "post_pre"
-    names = _PARAMS[kind, "main" if fin is None else "fold"]
+    names = _PARAMS[kind, "main"]
     W, BLK, TPW, KS = _CR_W, _WG_BLK, _WG_TPW, _WG_KSPLIT
     AH = _WG_AHEAD_POST_PRE if expand else _WG_AHEAD_PRE  # blocks in flight
     NWp = BLK // TPW  # streaming warps
@@ -1148,42 +1027,9 @@ def _cuda_wg_prim_func(kind, m, D, fin=None):
     # the coefficients a fetch shares out: a warp's own tokens' over its lanes, ncv a lane
     ncoef = TPW * ncf
     ncv = -(-ncoef // 32)
-    # the mbarriers full[0], full[1], empty[0], empty[1], 8 bytes each (then, with the fold, the
-    # word fold_next hands a block over in)
-    mb = L.a_bytes + 2 * L.b_bytes
+    mb = L.a_bytes + 2 * L.b_bytes  # the mbarriers full[0], full[1], empty[0], empty[1], 8 bytes each
     mul, add = _arith(True)
-    if fin is not None:  # the finalize of a queued block: GL lanes a token, rounds of the warpgroup
-        GL, lanes = _finalize_lanes_macro(m, D, *fin, functools.partial(T.unroll, 1, G), lambda B, k, t, col: (
-            T.call_extern("float32", "dsv41c_ldcg", B["WS"].data, (T.Cast("int64", k) * N + t) * _NPAD + col)))
-        rounds = -(-BLK // (128 // GL))
-        wlines = 32 // GL * G  # workspace rows (128 B each) of a warp's tokens in a round
-
-        @T.macro
-        def discard(B, blk, rd, g):
-            """`_WG_DISCARD`: after round rd of block blk's finalize, GEMM thread g's share of its
-            warp's tokens' workspace rows dropped from L2 unwritten (`discard.global.L2`): their
-            values are read (and used) by the warp's lanes alone, and never again."""
-            T.call_extern("handle", "__syncwarp")
-            for e in T.unroll(-(-wlines // 32)):
-                v = e * 32 + g % 32
-                r = rd * (128 // GL) + g // 32 * (32 // GL) + v // G
-                if T.And(v < wlines, T.And(r < BLK, blk * BLK + r < N)):
-                    T.call_extern("handle", "dsv41c_discard", B["WS"].data,
-                                  (T.Cast("int64", v % G) * N + blk * BLK + r) * _NPAD)
-
-        @T.macro
-        def finalize_block(B, blk, g):
-            """Block blk's tokens finalized by the GEMM warpgroup (g its thread index), in rounds."""
-            for rd in T.unroll(rounds):
-                # (a warp whose tokens in this round all lie past the block or N skips it: its
-                # shuffles stay within the warp)
-                if rd * (128 // GL) + g // 32 * (32 // GL) < T.min(BLK, N - blk * BLK):
-                    r = rd * (128 // GL) + g // GL
-                    lanes(B, blk * BLK + r, g % GL, T.And(r < BLK, blk * BLK + r < N))
-                    if _WG_DISCARD:
-                        discard(B, blk, rd, g)
-    prelude = _PACK_BF16X2 + _RUNNING_ADDRS + _WGMMA_PRELUDE + _MBAR_PRELUDE + (
-        _FOLD_PRELUDE if fin is not None else "") + _wgmma_fn(BLK) + "".join(
+    prelude = CUDA_PACK_BF16X2 + _RUNNING_ADDRS + _WGMMA_PRELUDE + _MBAR_PRELUDE + _wgmma_fn(BLK) + "".join(
         f"""
 __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("setmaxnreg.{op}.sync.aligned.u32 {r};"); }}
 """ for op, r in (("dec", _WG_GEMM_REGS), ("inc", r_st)))
@@ -1355,10 +1201,8 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
     def body(B):
         with T.Kernel(G, T.min(T.ceildiv(N, BLK), pmax), threads=nth, prelude=prelude) as (bg, bp):
             tx = T.get_thread_binding()
-            if fin is None:
-                TCU.pdl_trigger()  # the finalize kernel may launch once every CTA of this one has started
-            # + the four mbarriers (and with the fold, the word fold_next hands a block over in)
-            SMB = T.alloc_shared((L.smem // 4 + (8 if fin is None else 9),), "uint32")
+            TCU.pdl_trigger()  # the finalize kernel may launch once every CTA of this one has started
+            SMB = T.alloc_shared((L.smem // 4 + 8,), "uint32")  # + the four mbarriers
             Cos = T.alloc_shared((2, BLK, ncf), "float32")
             SQ = T.alloc_shared((2, BLK), "float32")
             fv = T.alloc_local((4,), "float32")
@@ -1373,7 +1217,6 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
             cv = T.alloc_local((ncv,), "float32")
             acc = T.alloc_local((KS * nacc,), "float32")
             tot = T.alloc_local((BLK // 4,), "float32")
-            nx = T.alloc_var("int32")  # (the folded finalize) the block the GEMM warpgroup finalizes next
             # the next block's load addresses (streams, y), this block's store addresses (x, h_new),
             # at the warp's first token and the lane's first word; the bytes one token row of x (and
             # m rows) moves over a step of the CTA's blocks
@@ -1443,27 +1286,9 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
                     # block i's B tile, squares: full[i % 2]'s completion number i // 2
                     T.call_extern("handle", "dsv41c_mbar_wait", sm, mb + 8 * (i % 2), i // 2 % 2)
                     issue(R, i % 2, sm)
-                    if fin is not None:
-                        # while block i's wgmma run: block i - 1's ticket, drawn after its workspace
-                        # stores by each of its G CTAs; the last queues the block, and this
-                        # warpgroup takes one queued block, whose tokens it finalizes from all G
-                        # partials (in L2) after block i's epilogue, below
-                        nx = T.call_extern("int32", "dsv41c_fold_next", B["TK"].data,
-                                           T.if_then_else(i > 0, bp + (i - 1) * PV, -1), G, NB, sm, mb + 32,
-                                           tx - 128 * gw)
                     T.call_extern("handle", "dsv41c_wgmma_wait")
                     epilogue(B, R, bp + i * PV, i % 2, tx - 128 * gw, bg)
                     T.call_extern("handle", "dsv41c_mbar_arrive", sm, mb + 16 + 8 * (i % 2))
-                    if fin is not None:
-                        if nx >= 0:
-                            finalize_block(B, nx, tx - 128 * gw)
-                if fin is not None:  # the last block's ticket, then the queue drained
-                    nx = T.call_extern("int32", "dsv41c_fold_next", B["TK"].data, bp + (nb - 1) * PV, G, NB, sm,
-                                       mb + 32, tx - 128 * gw)
-                    while nx >= 0:
-                        finalize_block(B, nx, tx - 128 * gw)
-                        nx = T.call_extern("int32", "dsv41c_fold_next", B["TK"].data, -1, G, NB, sm, mb + 32,
-                                           tx - 128 * gw)
             else:
                 if r_st > r0:
                     T.call_extern("handle", f"dsv41c_setmaxnreg_inc{r_st}")
