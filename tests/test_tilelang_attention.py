@@ -421,19 +421,21 @@ def past_the_rows(idx, n_rows, g):
     return idx, torch.where(idx < n_rows, idx, -1)
 
 
-def decode_inputs(b, h, d, n_c, g, window=128, topk=512):
+def decode_inputs(b, h, d, n_c, g, window=128, topk=512, holes=True):
     """One decode query per sequence over an FP8 ring of `window` slots and n_c FP4 compressed rows:
     the ring list oldest first with the unfilled slots -1 for sequence 0, then topk ascending
     compressed entries (offset by the window) with a few -1 (spec §6.3, §6.5).  With b > 1 the last
-    sequence's list is all -1 (its output must be 0)."""
+    sequence's list is all -1 (its output must be 0).  holes False: every entry valid (a full ring,
+    no -1), as in a long decode, so that every block holds one kind of row."""
     q, ring, ring_scales, codes, cscales, sink, _ = packed_inputs(b, 1, h, d, window, n_c, 1, torch.bfloat16,
                                                                   True, g)
     slots = torch.arange(window).repeat(b, 1)
-    slots[0, window // 2:] = -1
     top = torch.rand(b, n_c, generator=g).topk(topk, dim=-1).indices.sort(dim=-1).values + window
-    top = torch.where(torch.rand(b, topk, generator=g) < 0.05, -1, top)
+    if holes:
+        slots[0, window // 2:] = -1
+        top = torch.where(torch.rand(b, topk, generator=g) < 0.05, -1, top)
     idx = torch.cat([slots, top], dim=-1).int().unsqueeze(1)
-    if b > 1:
+    if b > 1 and holes:
         idx[-1] = -1
     return tuple(t.cuda() for t in (q, ring, ring_scales, codes, cscales, sink, idx))
 
@@ -465,6 +467,29 @@ def test_sparse_attn_packed_released_dims_gpu(batch, topk):
     assert batch == 1 or (out[-1] == 0).all(), f"seed {seed}: a query with no valid entry must return 0"
     plain = A.sparse_attn(q, rows, sink, idx, scale)
     assert torch.equal(plain, out), f"seed {seed}: the plain and packed kernels read the same rows"
+
+
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8-ring", "bf16-window"])
+@pytest.mark.parametrize("batch", [32, 140], ids=["b32-split", "b140-whole"])
+@pytest.mark.gpu
+@needs_cuda
+def test_sparse_attn_packed_full_lists_gpu(batch, fp8):
+    """Decode lists without -1 entries (a full ring and top-k valid rows, the benchmark's case): each
+    64-entry block then holds only window rows or only compressed rows, the blocks the kernel
+    decodes without a per-row branch; with an FP8 ring, and with bf16 window rows (the packed_rows
+    build, whose compressed codes come from a bf16-typed stage)."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    h, d, n_c = 64, 512, 4096
+    q, ring, ring_scales, codes, cscales, sink, idx = decode_inputs(batch, h, d, n_c, g, holes=False)
+    if not fp8:
+        ring, ring_scales = Q.fp8_dequant_ref(ring, ring_scales, torch.bfloat16), None
+    scale = d**-0.5
+    out = A.sparse_attn_packed(q, ring, ring_scales, codes, cscales, sink, idx, scale)
+    ref = A.sparse_attn_packed_ref(q, ring, ring_scales, codes, cscales, sink, idx, scale)
+    rows = decoded_rows(ring, ring_scales, codes, cscales, torch.bfloat16)
+    check(out, ref, rows, q, 128 + 512, scale, seed, empty_first=False)
+    assert torch.equal(A.sparse_attn(q, rows, sink, idx, scale), out), f"seed {seed}: plain and packed differ"
 
 
 @pytest.mark.parametrize("s", [96, 3], ids=["whole", "split"])

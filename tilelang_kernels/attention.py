@@ -55,8 +55,10 @@ heads (MQA), so one gathered tile serves every head.  Per block:
     the current block's compute (and the first block's overlaps the load of q);
   - the stage is decoded into KVs [64, d] bf16 (each thread: 16 items of 8 values, one 16-byte
     store each; the packed formats by bit moves and paired conversions, `_ROW8_PRELUDE`; rows -1
-    or past the row count: zeros);
-  - S = q K^T [64, 64] (fp32 accumulation), the online softmax, acc += bf16(p) V [64, d].
+    or past the row count: zeros); a block of one row kind (all compressed, or all FP8 window
+    rows, as in a long decode) without a branch per item (`_DECODE_GROUP`);
+  - S = q K^T [64, 64] (fp32 accumulation), the online softmax (its row reductions by hand,
+    `_SOFTMAX_PRELUDE`: one exchange between the warpgroups a block), acc += bf16(p) V [64, d].
 The fp32 accumulator [64, 512] is 128 of a thread's ~200 registers; shared memory q 64 KB + KVs
 64 KB + the stage (33 KB for the FP8 ring, 66 KB for bf16 rows) + p 8 KB: 173-205 KB, one CTA per SM.
 Grid: when the query-head groups (B*S*ceil(H/64)) fill the SMs (prefill, large batches), one CTA
@@ -73,6 +75,7 @@ window row's scales must fill a 4-byte cp.async).
 """
 
 import functools
+import math
 
 import tilelang.cpu.language as TC
 import tilelang.cuda.language as TCU
@@ -93,6 +96,9 @@ KINDS = ("plain", "packed_rows", "packed_fp8")  # kv rows; packed with a plain w
 _CUDA_THREADS = 256  # 512 builds and runs (16 warps per SM, spilling at 128 registers) but was no faster
 _CUDA_HEADS = 64  # heads per CTA (one wgmma M)
 _NEG_BIG = -1e30
+# CUDA: the fewest blocks a CTA of a split list walks (1: as many CTAs as fill one wave; more trades
+# CTAs for fewer partials to write and merge)
+_MIN_SPLIT_BLOCKS = 1
 
 # CUDA: 8 values of a packed row (one decode item) into 8 bf16, bit-identical to the references.
 # - FP8 window rows: each pair of E4M3 codes through one cvt to f16x2 (exact), then the
@@ -106,14 +112,26 @@ _NEG_BIG = -1e30
 # About 33-36 SASS instructions an item, against 45 (FP4, a table of the 16 E2M1 values) and 90
 # (FP8, per-value conversions, the scale's special cases made per value) before: 1.19x at batch 32
 # and 1.25x at batch 1 in a CUDA graph on an H100 (BENCHMARKS.md).
-# CUDA: the online softmax's row reductions by hand (1), in place of TileLang's T.reduce_max and
-# T.reduce_sum (0): prepared, not yet timed on a GPU.  S [64 heads, 64 entries] is split over the two
-# warpgroups by entries, so each of TileLang's row reductions crosses them through shared memory:
-# per block, for each of a thread's two rows, a __syncthreads and two named barriers, both for the
-# max and for the sum, 12 CTA-wide barriers in all.  By hand (`_SOFTMAX_PRELUDE`): one exchange of
-# the warpgroups' row maxima a block (one named barrier), and the sums kept per thread (the same
-# running max rescales every thread's partial, so they add up to the row's sum) until the loop ends.
-_ONE_EXCHANGE = 0
+# CUDA: the online softmax's row reductions by hand (`_SOFTMAX_PRELUDE`).  S [64 heads, 64 entries]
+# is split over the two warpgroups by entries, so each of TileLang's row reductions (T.reduce_max,
+# T.reduce_sum) crossed them through shared memory: per block, for each of a thread's two rows, a
+# __syncthreads and two named barriers, both for the max and for the sum, 12 CTA-wide barriers in
+# all.  By hand: one exchange of the warpgroups' row maxima a block (one named barrier), and the sums
+# kept per thread (the same running max rescales every thread's partial, so they add up to the row's
+# sum) until the loop ends.  1.09x at batch 32 on an H100 (BENCHMARKS.md).
+# CUDA: a block whose listed rows are all compressed, or all FP8 window rows, is decoded by a loop
+# without the per-item branch on the row kind, each group of `_DECODE_GROUP` items' loads before
+# their arithmetic (ptxas keeps an item's loads after the previous item's store otherwise: it cannot
+# tell the stage from KVs); the kinds are voted per warp where the row numbers are set
+# (`_KINDS_PRELUDE`).  1.11x at batch 32 on an H100 (groups of 4, 8 and 16 items: the same).
+_DECODE_GROUP = 8
+_KINDS_PRELUDE = r"""
+// bit 0: every lane's row is compressed (>= n_window); bit 1: every lane's row is a window row
+__device__ __forceinline__ int dsv41c_warp_kinds(int row, int n_window) {
+  return (__all_sync(0xffffffffu, row >= n_window) ? 1 : 0) |
+         (__all_sync(0xffffffffu, row >= 0 && row < n_window) ? 2 : 0);
+}
+"""
 
 # The wgmma accumulator layout of S (T.gemm's, read off its lowered code): warpgroup g holds entries
 # 32g..32g+31; thread t (warp w of its warpgroup, lane l) rows r0 = 16w + l/4 and r0 + 8 (h = 0, 1)
@@ -438,11 +456,13 @@ def _cuda_prim_func(kind, H, d, scale, split):
     B, S, K, N, NC, NS = D["B"], D["S"], D["K"], D["N"], D["NC"], T.dynamic("NS")
     HB, threads = _CUDA_HEADS, _CUDA_THREADS
     HG = -(-H // HB)
-    xwg = bool(_ONE_EXCHANGE) and threads == 256  # the row reductions by hand (`_SOFTMAX_PRELUDE`)
+    assert threads == 2 * 128 and HB == 64, "_SOFTMAX_PRELUDE's layout: two warpgroups, one wgmma M"
+    uni = kind != "plain"  # blocks of one row kind decoded without branches (`_KINDS_PRELUDE`)
     nacc = HB * d // threads  # fp32 of acc a thread holds
     vec = 8  # values per decoded item: 16 B of bf16 in shared memory
     per_row = d // vec
     items = BLOCK * per_row // threads  # decoded items per thread and block
+    UG = math.gcd(_DECODE_GROUP, items)  # items a group (decode_uniform)
     assert d % 64 == 0 and (kind == "plain" or d % 128 == 0)
     bf, f32 = "bfloat16", "float32"
     # The stage holds a block's listed rows as stored: a row of the window's format (bf16, or FP8
@@ -486,42 +506,106 @@ def _cuda_prim_func(kind, H, d, scale, split):
         T.ptx_commit_group()
 
     @T.macro
-    def decode(stage, stage_s, rowS, buf, KVs, cb, vl, bb, tx):
-        """The staged rows named in rowS[buf] into KVs [BLOCK, d] as bf16 (zeros for -1): each item
-        (8 values) is read from the stage and scales, decoded (`_ROW8_PRELUDE`) and stored as one
-        16-byte vector."""
+    def item(row_kind, stage, stage_s, r, c0, KVs, cb, vl):
+        """Values c0..c0+7 of staged row r into KVs as bf16 (one 16-byte store): row_kind "none"
+        (zeros), "window" (a row in the window's format) or "comp" (packed E2M1 codes: bytes
+        c0/2..c0/2+3 of the stage row)."""
+        if row_kind == "none":
+            for j in T.vectorized(vec):
+                KVs[r, c0 + j] = T.Cast(bf, 0)
+        elif row_kind == "window" and kind != "packed_fp8":
+            for j in T.vectorized(vec):
+                KVs[r, c0 + j] = stage[r, c0 + j]
+        elif row_kind == "window":
+            for j in T.vectorized(vec):
+                cb[j] = stage[r, c0 + j]
+            T.call_extern("handle", "dsv41c_fp8_row8", T.address_of(cb[0]),
+                          T.Cast("uint32", stage_s[r, c0 // 32]), T.address_of(vl[0]))
+            for j in T.vectorized(vec):
+                KVs[r, c0 + j] = vl[j]
+        else:
+            if kind == "packed_fp8":
+                for j in T.vectorized(vec // 2):
+                    cb[j] = stage[r, c0 // 2 + j]
+            else:
+                for j in T.unroll(vec // 2):
+                    cb[j] = T.Cast("uint8", T.reinterpret(stage[r, c0 // 4 + j // 2], "uint16")
+                                   >> T.uint16(8 * (j % 2)))
+            T.call_extern("handle", "dsv41c_fp4_row8", T.address_of(cb[0]),
+                          T.Cast("uint32", stage_s[r, c0 // 16]), T.address_of(vl[0]))
+            for j in T.vectorized(vec):
+                KVs[r, c0 + j] = vl[j]
+
+    @T.macro
+    def decode_items(row_kind, rowS, buf, stage, stage_s, KVs, cb, vl, tx):
+        """Every item of the thread, by the row kind of rowS[buf] (row_kind None: each row's own)."""
         for u in T.unroll(items):
             r = (u * threads + tx) // per_row
             c0 = (u * threads + tx) % per_row * vec
-            if rowS[buf, r] < 0:
-                for j in T.vectorized(vec):
-                    KVs[r, c0 + j] = T.Cast(bf, 0)
-            elif kind == "plain":
-                for j in T.vectorized(vec):
-                    KVs[r, c0 + j] = stage[r, c0 + j]
-            elif rowS[buf, r] < N:
-                if kind == "packed_rows":
-                    for j in T.vectorized(vec):
-                        KVs[r, c0 + j] = stage[r, c0 + j]
+            if row_kind is not None:
+                item(row_kind, stage, stage_s, r, c0, KVs, cb, vl)
+            elif rowS[buf, r] < 0:
+                item("none", stage, stage_s, r, c0, KVs, cb, vl)
+            elif kind == "plain" or rowS[buf, r] < N:
+                item("window", stage, stage_s, r, c0, KVs, cb, vl)
+            else:
+                item("comp", stage, stage_s, r, c0, KVs, cb, vl)
+
+    @T.macro
+    def decode_uniform(row_kind, stage, stage_s, KVs, cbs, scs, vl, tx):
+        """decode_items for a block of one row kind ("window" in the FP8 format, or "comp"): each
+        group of UG items' codes and scale bytes loaded before any is decoded (`_DECODE_GROUP`)."""
+        nb8 = vec if row_kind == "window" else vec // 2  # code bytes an item
+        for g in T.unroll(items // UG):
+            for k in T.unroll(UG):
+                r = ((g * UG + k) * threads + tx) // per_row
+                c0 = ((g * UG + k) * threads + tx) % per_row * vec
+                if row_kind == "window":
+                    for j in T.vectorized(nb8):
+                        cbs[k, j] = stage[r, c0 + j]
+                    scs[k] = T.Cast("uint32", stage_s[r, c0 // 32])
                 else:
-                    for j in T.vectorized(vec):
-                        cb[j] = stage[r, c0 + j]
-                    T.call_extern("handle", "dsv41c_fp8_row8", T.address_of(cb[0]),
-                                  T.Cast("uint32", stage_s[r, c0 // 32]), T.address_of(vl[0]))
-                    for j in T.vectorized(vec):
-                        KVs[r, c0 + j] = vl[j]
-            else:  # packed E2M1 codes: values c0..c0+7 are bytes c0/2..c0/2+3 of the stage row
-                if kind == "packed_fp8":
-                    for j in T.vectorized(vec // 2):
-                        cb[j] = stage[r, c0 // 2 + j]
-                else:
-                    for j in T.unroll(vec // 2):
-                        cb[j] = T.Cast("uint8", T.reinterpret(stage[r, c0 // 4 + j // 2], "uint16")
-                                       >> T.uint16(8 * (j % 2)))
-                T.call_extern("handle", "dsv41c_fp4_row8", T.address_of(cb[0]),
-                              T.Cast("uint32", stage_s[r, c0 // 16]), T.address_of(vl[0]))
+                    if kind == "packed_fp8":
+                        for j in T.vectorized(nb8):
+                            cbs[k, j] = stage[r, c0 // 2 + j]
+                    else:  # (the stage of bf16 window rows: the codes are its elements' bytes)
+                        for j in T.unroll(nb8):
+                            cbs[k, j] = T.Cast("uint8", T.reinterpret(stage[r, c0 // 4 + j // 2], "uint16")
+                                               >> T.uint16(8 * (j % 2)))
+                    scs[k] = T.Cast("uint32", stage_s[r, c0 // 16])
+            for k in T.unroll(UG):
+                r = ((g * UG + k) * threads + tx) // per_row
+                c0 = ((g * UG + k) * threads + tx) % per_row * vec
+                T.call_extern("handle", "dsv41c_fp8_row8" if row_kind == "window" else "dsv41c_fp4_row8",
+                              T.address_of(cbs[k, 0]), scs[k], T.address_of(vl[0]))
                 for j in T.vectorized(vec):
                     KVs[r, c0 + j] = vl[j]
+
+    @T.macro
+    def decode(stage, stage_s, rowS, kindS, buf, KVs, cb, cbs, scs, vl, tx):
+        """The staged rows named in rowS[buf] into KVs [BLOCK, d] as bf16 (zeros for -1): each item
+        (8 values) is read from the stage and scales, decoded (`_ROW8_PRELUDE`) and stored as one
+        16-byte vector.  Packed rows: a block of one row kind (kindS[buf]) takes that kind's
+        branch-free loop (`_DECODE_GROUP`)."""
+        if uni:
+            if (kindS[buf, 0] & kindS[buf, 1] & 1) != 0:
+                decode_uniform("comp", stage, stage_s, KVs, cbs, scs, vl, tx)
+            elif kind == "packed_fp8" and (kindS[buf, 0] & kindS[buf, 1] & 2) != 0:
+                decode_uniform("window", stage, stage_s, KVs, cbs, scs, vl, tx)
+            else:
+                decode_items(None, rowS, buf, stage, stage_s, KVs, cb, vl, tx)
+        else:
+            decode_items(None, rowS, buf, stage, stage_s, KVs, cb, vl, tx)
+
+    @T.macro
+    def set_row(R, rowS, kindS, buf, v, tx):
+        """rowS[buf, tx] = v (tx < BLOCK; -1 past the rows); packed rows: the warp's row kinds into
+        kindS[buf, warp], bit 0 every row compressed, bit 1 every row a window row."""
+        rowS[buf, tx] = T.Select(v < _rows_total(kind, N, R), v, -1)
+        if uni:
+            fl = T.call_extern("int32", "dsv41c_warp_kinds", rowS[buf, tx], N)
+            if tx % 32 == 0:
+                kindS[buf, tx // 32] = fl
 
     @T.macro
     def next_row(R, nxt, bb, bs, blk, tx):
@@ -542,14 +626,16 @@ def _cuda_prim_func(kind, H, d, scale, split):
         stage = T.alloc_shared((BLOCK, d), stage_t)
         stage_s = T.alloc_shared((BLOCK, d // 16), "uint8")
         rowS = T.alloc_shared((2, BLOCK), "int32")  # rows of blocks i, i+1 (by parity), -1 for none
+        kindS = T.alloc_shared((2, 2), "int32") if uni else None  # their row kinds, by warp (set_row)
         Sf = T.alloc_fragment((HB, BLOCK), f32)
         acc = T.alloc_fragment((HB, d), f32)
-        if xwg:  # a thread's two rows (`_SOFTMAX_PRELUDE`); the warpgroups' row maxima or sums
-            mrun, den, alpha = (T.alloc_local((2,), f32) for _ in range(3))
-            xch = T.alloc_shared((2 * HB,), f32)
-        else:
-            mrun, mnew, alpha, den, psum = (T.alloc_fragment((HB,), f32) for _ in range(5))
+        # running max, sum (the thread's part until the loop ends) and rescale of the thread's two
+        # rows (`_SOFTMAX_PRELUDE`); the warpgroups' row maxima or sums
+        mrun, den, alpha = (T.alloc_local((2,), f32) for _ in range(3))
+        xch = T.alloc_shared((2 * HB,), f32)
         cb = T.alloc_local((vec,), "uint8")  # one item's codes
+        cbs = T.alloc_local((UG, vec), "uint8") if uni else None  # a group's codes and scale bytes
+        scs = T.alloc_local((UG,), "uint32") if uni else None
         vl = T.alloc_local((vec,), bf)
         nxt = T.alloc_local((1,), "int32")
         # the run's first block and length, made once: as expressions, the division by NS was
@@ -561,7 +647,7 @@ def _cuda_prim_func(kind, H, d, scale, split):
             else T.ceildiv(K, BLOCK)
         if tx < BLOCK:
             next_row(R, nxt, bb, bs, blk0, tx)
-            rowS[0, tx] = T.Select(nxt[0] < _rows_total(kind, N, R), nxt[0], -1)
+            set_row(R, rowS, kindS, 0, nxt[0], tx)
             next_row(R, nxt, bb, bs, blk0 + 1, tx)
         T.sync_threads()
         if nb > 0:  # the first block's copies run while q is loaded
@@ -581,64 +667,33 @@ def _cuda_prim_func(kind, H, d, scale, split):
         for i in T.serial(nb):
             T.ptx_wait_group(0)
             T.sync_threads()  # block i staged (every thread's copies); the previous GEMMs done with KVs
-            decode(stage, stage_s, rowS, i % 2, KVs, cb, vl, bb, tx)
+            decode(stage, stage_s, rowS, kindS, i % 2, KVs, cb, cbs, scs, vl, tx)
             if tx < BLOCK:  # rowS[(i+1) % 2] was last read by block i-1's masks
-                rowS[(i + 1) % 2, tx] = T.Select(nxt[0] < _rows_total(kind, N, R), nxt[0], -1)
+                set_row(R, rowS, kindS, (i + 1) % 2, nxt[0], tx)
                 next_row(R, nxt, bb, bs, blk0 + i + 2, tx)
             T.sync_threads()  # KVs and rowS ready, the stage free
             if i + 1 < nb:  # block i+1's copies, in flight during block i's GEMMs
                 issue(R, stage, stage_s, rowS, (i + 1) % 2, bb, tx)
             T.gemm(Qs, KVs, Sf, transpose_B=True, clear_accum=True)
-            if xwg:
-                T.call_extern("handle", "dsv41c_softmax_block", Sf.data,
-                              T.address_of(rowS[i % 2, 0]), T.address_of(mrun[0]), T.address_of(den[0]),
-                              T.address_of(alpha[0]), T.address_of(xch[0]), _f32_const(scale))
-                T.copy(Sf, Ps)
-                T.call_extern("handle", "dsv41c_rows_scale<false>", acc.data,
-                              T.address_of(alpha[0]), nacc)
-            else:
-                for h, e in T.Parallel(HB, BLOCK):
-                    Sf[h, e] = T.if_then_else(rowS[i % 2, e] >= 0, Sf[h, e] * _f32_const(scale),
-                                              -T.infinity(f32))
-                T.reduce_max(Sf, mnew, dim=1, clear=True)
-                for h in T.Parallel(HB):
-                    mnew[h] = T.max(mnew[h], mrun[h])
-                    alpha[h] = T.exp(mrun[h] - mnew[h])
-                for h, e in T.Parallel(HB, BLOCK):
-                    Sf[h, e] = T.if_then_else(rowS[i % 2, e] >= 0, T.exp(Sf[h, e] - mnew[h]), T.float32(0))
-                T.reduce_sum(Sf, psum, dim=1)
-                for h in T.Parallel(HB):
-                    den[h] = den[h] * alpha[h] + psum[h]
-                    mrun[h] = mnew[h]
-                T.copy(Sf, Ps)
-                for h, c in T.Parallel(HB, d):
-                    acc[h, c] = acc[h, c] * alpha[h]
+            T.call_extern("handle", "dsv41c_softmax_block", Sf.data, T.address_of(rowS[i % 2, 0]),
+                          T.address_of(mrun[0]), T.address_of(den[0]), T.address_of(alpha[0]),
+                          T.address_of(xch[0]), _f32_const(scale))
+            T.copy(Sf, Ps)
+            T.call_extern("handle", "dsv41c_rows_scale<false>", acc.data, T.address_of(alpha[0]), nacc)
             T.gemm(Ps, KVs, acc)
-        if xwg:
-            T.call_extern("handle", "dsv41c_row_total", T.address_of(den[0]), T.address_of(xch[0]))
-            rows = [0, 1]  # the thread's rows: head[k] (a list: unrolled at trace time)
-            head = [16 * (tx % 128 // 32) + tx % 32 // 4 + 8 * k for k in rows]
-            if split:  # one thread of each row's eight stores its max and sum
-                if tx % 4 == 0 and tx < 128:
-                    for k in rows:
-                        if bh * HB + head[k] < H:
-                            R["MP"][bb, bs, bj, bh * HB + head[k]] = mrun[k]
-                            R["LP"][bb, bs, bj, bh * HB + head[k]] = den[k]
-            else:
+        T.call_extern("handle", "dsv41c_row_total", T.address_of(den[0]), T.address_of(xch[0]))
+        rows = [0, 1]  # the thread's rows: head[k] (a list: unrolled at trace time)
+        head = [16 * (tx % 128 // 32) + tx % 32 // 4 + 8 * k for k in rows]
+        if split:  # one thread of each row's eight stores its max and sum
+            if tx % 4 == 0 and tx < 128:
                 for k in rows:
-                    den[k] = den[k] + T.exp(R["SINK"][T.min(bh * HB + head[k], H - 1)] - mrun[k])
-                T.call_extern("handle", "dsv41c_rows_scale<true>", acc.data, T.address_of(den[0]),
-                              nacc)
-        elif split:
-            for h in T.Parallel(HB):
-                if bh * HB + h < H:
-                    R["MP"][bb, bs, bj, bh * HB + h] = mrun[h]
-                    R["LP"][bb, bs, bj, bh * HB + h] = den[h]
+                    if bh * HB + head[k] < H:
+                        R["MP"][bb, bs, bj, bh * HB + head[k]] = mrun[k]
+                        R["LP"][bb, bs, bj, bh * HB + head[k]] = den[k]
         else:
-            for h in T.Parallel(HB):
-                den[h] = den[h] + T.exp(R["SINK"][T.min(bh * HB + h, H - 1)] - mrun[h])
-            for h, c in T.Parallel(HB, d):
-                acc[h, c] = acc[h, c] / den[h]
+            for k in rows:
+                den[k] = den[k] + T.exp(R["SINK"][T.min(bh * HB + head[k], H - 1)] - mrun[k])
+            T.call_extern("handle", "dsv41c_rows_scale<true>", acc.data, T.address_of(den[0]), nacc)
         if split:  # unnormalised: the combine rescales every split to the final max
             if H % HB == 0:
                 T.copy(acc, R["OP"][bb, bs, bj, bh * HB:(bh + 1) * HB, :])
@@ -663,7 +718,7 @@ def _cuda_prim_func(kind, H, d, scale, split):
     ot, opt = T.Tensor((B, S, H, d), bf), T.Tensor((B, S, NS, H, d), f32)
     mpt, lpt = T.Tensor((B, S, NS, H), f32), T.Tensor((B, S, NS, H), f32)
 
-    prelude = ("" if kind == "plain" else _ROW8_PRELUDE) + (_SOFTMAX_PRELUDE if xwg else "") or None
+    prelude = _SOFTMAX_PRELUDE + ("" if kind == "plain" else _ROW8_PRELUDE + _KINDS_PRELUDE)
 
     @T.macro
     def run(R):
@@ -786,7 +841,7 @@ def num_splits(ctas: int, blocks: int, sms: int) -> int:
     if ctas >= sms or blocks <= 1:
         return 1
     per_cta = next(n for n in range(1, blocks + 1) if ctas * -(-blocks // n) <= sms)
-    return -(-blocks // per_cta)
+    return -(-blocks // max(per_cta, _MIN_SPLIT_BLOCKS))
 
 
 @functools.cache
