@@ -125,6 +125,11 @@ _MIN_SPLIT_BLOCKS = 1
 # tell the stage from KVs); the kinds are voted per warp where the row numbers are set
 # (`_KINDS_PRELUDE`).  1.11x at batch 32 on an H100 (groups of 4, 8 and 16 items: the same).
 _DECODE_GROUP = 8
+# CUDA: such a block's rows also copied into the stage without the branch on each row's kind, the
+# kind's chunks spread over all threads (a compressed row's 256 B of codes took 8 rounds of
+# 16-byte chunks with half the threads idle, as a window row's 512 B would): prepared, not yet
+# timed on a GPU
+_UNIFORM_ISSUE = 0
 _KINDS_PRELUDE = r"""
 // bit 0: every lane's row is compressed (>= n_window); bit 1: every lane's row is a window row
 __device__ __forceinline__ int dsv41c_warp_kinds(int row, int n_window) {
@@ -458,6 +463,7 @@ def _cuda_prim_func(kind, H, d, scale, split):
     HG = -(-H // HB)
     assert threads == 2 * 128 and HB == 64, "_SOFTMAX_PRELUDE's layout: two warpgroups, one wgmma M"
     uni = kind != "plain"  # blocks of one row kind decoded without branches (`_KINDS_PRELUDE`)
+    uissue = uni and bool(_UNIFORM_ISSUE)  # and copied without them
     nacc = HB * d // threads  # fp32 of acc a thread holds
     vec = 8  # values per decoded item: 16 B of bf16 in shared memory
     per_row = d // vec
@@ -504,6 +510,42 @@ def _cuda_prim_func(kind, H, d, scale, split):
                         if p < spr // 2:
                             cp_async(sc, stage_s[r, p * sc], R["WS"][bb, rowS[buf, r], p * sc])
         T.ptx_commit_group()
+
+    @T.macro
+    def issue_uniform(R, stage, stage_s, rowS, buf, row_kind, bb, tx):
+        """issue for a block of one row kind ("comp", or "window" in the FP8 format): the kind's
+        chunks only, spread over every thread, without a branch on the row (`_UNIFORM_ISSUE`)."""
+        cc = d // 32 if row_kind == "comp" else cpr  # 16-byte chunks of a row's codes
+        for u in T.unroll(BLOCK * cc // threads):
+            r = (u * threads + tx) // cc
+            p = (u * threads + tx) % cc
+            if row_kind == "comp":
+                cp_async(16, stage[r, p * ce], R["CC"][bb, rowS[buf, r] - N, p * 16])
+            else:
+                cp_async(16, stage[r, p * ce], R["W"][bb, rowS[buf, r], p * ce])
+        ns = spr if row_kind == "comp" else spr // 2  # scale chunks of a row
+        for u in T.unroll(-(-BLOCK * ns // threads)):
+            rs = (u * threads + tx) // ns
+            ps = (u * threads + tx) % ns
+            if u * threads + tx < BLOCK * ns:
+                if row_kind == "comp":
+                    cp_async(sc, stage_s[rs, ps * sc], R["CS"][bb, rowS[buf, rs] - N, ps * sc])
+                else:
+                    cp_async(sc, stage_s[rs, ps * sc], R["WS"][bb, rowS[buf, rs], ps * sc])
+        T.ptx_commit_group()
+
+    @T.macro
+    def issue_block(R, stage, stage_s, rowS, kindS, buf, bb, tx):
+        """issue, or issue_uniform for a block of one row kind (kindS[buf])."""
+        if uissue:
+            if (kindS[buf, 0] & kindS[buf, 1] & 1) != 0:
+                issue_uniform(R, stage, stage_s, rowS, buf, "comp", bb, tx)
+            elif kind == "packed_fp8" and (kindS[buf, 0] & kindS[buf, 1] & 2) != 0:
+                issue_uniform(R, stage, stage_s, rowS, buf, "window", bb, tx)
+            else:
+                issue(R, stage, stage_s, rowS, buf, bb, tx)
+        else:
+            issue(R, stage, stage_s, rowS, buf, bb, tx)
 
     @T.macro
     def item(row_kind, stage, stage_s, r, c0, KVs, cb, vl):
@@ -651,7 +693,7 @@ def _cuda_prim_func(kind, H, d, scale, split):
             next_row(R, nxt, bb, bs, blk0 + 1, tx)
         T.sync_threads()
         if nb > 0:  # the first block's copies run while q is loaded
-            issue(R, stage, stage_s, rowS, 0, bb, tx)
+            issue_block(R, stage, stage_s, rowS, kindS, 0, bb, tx)
         if H % HB == 0:
             T.copy(R["Q"][bb, bs, bh * HB:(bh + 1) * HB, :], Qs)
         else:  # the last CTA's missing heads are zero rows of the GEMM, never stored
@@ -673,7 +715,7 @@ def _cuda_prim_func(kind, H, d, scale, split):
                 next_row(R, nxt, bb, bs, blk0 + i + 2, tx)
             T.sync_threads()  # KVs and rowS ready, the stage free
             if i + 1 < nb:  # block i+1's copies, in flight during block i's GEMMs
-                issue(R, stage, stage_s, rowS, (i + 1) % 2, bb, tx)
+                issue_block(R, stage, stage_s, rowS, kindS, (i + 1) % 2, bb, tx)
             T.gemm(Qs, KVs, Sf, transpose_B=True, clear_accum=True)
             T.call_extern("handle", "dsv41c_softmax_block", Sf.data, T.address_of(rowS[i % 2, 0]),
                           T.address_of(mrun[0]), T.address_of(den[0]), T.address_of(alpha[0]),
