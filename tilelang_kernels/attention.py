@@ -56,7 +56,7 @@ heads (MQA), so one gathered tile serves every head.  Per block:
   - the stage is decoded into KVs [64, d] bf16 (each thread: 16 items of 8 values, one 16-byte
     store each; the packed formats by bit moves and paired conversions, `_ROW8_PRELUDE`; rows -1
     or past the row count: zeros); a block of one row kind (all compressed, or all FP8 window
-    rows, as in a long decode) without a branch per item (`_DECODE_GROUP`);
+    rows, as in a long decode) is copied and decoded without a branch per row (`_DECODE_GROUP`);
   - S = q K^T [64, 64] (fp32 accumulation), the online softmax (its row reductions by hand,
     `_SOFTMAX_PRELUDE`: one exchange between the warpgroups a block), acc += bf16(p) V [64, d].
 The fp32 accumulator [64, 512] is 128 of a thread's ~200 registers; shared memory q 64 KB + KVs
@@ -99,6 +99,9 @@ _NEG_BIG = -1e30
 # CUDA: the fewest blocks a CTA of a split list walks (1: as many CTAs as fill one wave; more trades
 # CTAs for fewer partials to write and merge)
 _MIN_SPLIT_BLOCKS = 1
+# CUDA: the combine kernel merging the splits group by group into a running max (1; prepared, not
+# yet timed on a GPU), or in two passes, the max first (0)
+_COMBINE_ONLINE = 0
 
 # CUDA: 8 values of a packed row (one decode item) into 8 bf16, bit-identical to the references.
 # - FP8 window rows: each pair of E4M3 codes through one cvt to f16x2 (exact), then the
@@ -125,11 +128,9 @@ _MIN_SPLIT_BLOCKS = 1
 # tell the stage from KVs); the kinds are voted per warp where the row numbers are set
 # (`_KINDS_PRELUDE`).  1.11x at batch 32 on an H100 (groups of 4, 8 and 16 items: the same).
 _DECODE_GROUP = 8
-# CUDA: such a block's rows also copied into the stage without the branch on each row's kind, the
-# kind's chunks spread over all threads (a compressed row's 256 B of codes took 8 rounds of
-# 16-byte chunks with half the threads idle, as a window row's 512 B would): prepared, not yet
-# timed on a GPU
-_UNIFORM_ISSUE = 0
+# Such a block's rows are also copied into the stage without the branch on each row's kind, the
+# kind's chunks spread over all threads (a compressed row's 256 B of codes took 8 rounds of 16-byte
+# chunks with half the threads idle, as a window row's 512 B does): 1.07x at batch 32 on an H100.
 _KINDS_PRELUDE = r"""
 // bit 0: every lane's row is compressed (>= n_window); bit 1: every lane's row is a window row
 __device__ __forceinline__ int dsv41c_warp_kinds(int row, int n_window) {
@@ -462,8 +463,7 @@ def _cuda_prim_func(kind, H, d, scale, split):
     HB, threads = _CUDA_HEADS, _CUDA_THREADS
     HG = -(-H // HB)
     assert threads == 2 * 128 and HB == 64, "_SOFTMAX_PRELUDE's layout: two warpgroups, one wgmma M"
-    uni = kind != "plain"  # blocks of one row kind decoded without branches (`_KINDS_PRELUDE`)
-    uissue = uni and bool(_UNIFORM_ISSUE)  # and copied without them
+    uni = kind != "plain"  # blocks of one row kind copied and decoded without branches (`_KINDS_PRELUDE`)
     nacc = HB * d // threads  # fp32 of acc a thread holds
     vec = 8  # values per decoded item: 16 B of bf16 in shared memory
     per_row = d // vec
@@ -514,7 +514,7 @@ def _cuda_prim_func(kind, H, d, scale, split):
     @T.macro
     def issue_uniform(R, stage, stage_s, rowS, buf, row_kind, bb, tx):
         """issue for a block of one row kind ("comp", or "window" in the FP8 format): the kind's
-        chunks only, spread over every thread, without a branch on the row (`_UNIFORM_ISSUE`)."""
+        chunks only, spread over every thread, without a branch on the row (`_DECODE_GROUP`)."""
         cc = d // 32 if row_kind == "comp" else cpr  # 16-byte chunks of a row's codes
         for u in T.unroll(BLOCK * cc // threads):
             r = (u * threads + tx) // cc
@@ -537,7 +537,7 @@ def _cuda_prim_func(kind, H, d, scale, split):
     @T.macro
     def issue_block(R, stage, stage_s, rowS, kindS, buf, bb, tx):
         """issue, or issue_uniform for a block of one row kind (kindS[buf])."""
-        if uissue:
+        if uni:
             if (kindS[buf, 0] & kindS[buf, 1] & 1) != 0:
                 issue_uniform(R, stage, stage_s, rowS, buf, "comp", bb, tx)
             elif kind == "packed_fp8" and (kindS[buf, 0] & kindS[buf, 1] & 2) != 0:
@@ -802,7 +802,10 @@ def _cuda_prim_func(kind, H, d, scale, split):
 def _combine_prim_func(H, d):
     """o = sum_j acc_j e^(m_j - M) / (sum_j l_j e^(m_j - M) + e^(sink - M)), M = max_j m_j, in bf16:
     the splits' partials [B,S,NS,H,(d)] merged; grid (H, S, B), d/4 threads of 4 columns.  The
-    splits are read `unroll` at a time, so that many loads are in flight (NS is dynamic)."""
+    splits are read `unroll` at a time, so that many loads are in flight (NS is dynamic).
+    `_COMBINE_ONLINE`: each group's maxima, sums and partials loaded together, the group merged
+    into a running max (one round trip to L2 a group instead of a pass for M first; with NS <= 4,
+    the batch-32 decode's, the same operations in the same order as the two passes)."""
     B, S, NS = T.dynamic("B"), T.dynamic("S"), T.dynamic("NS")
     vec, unroll, f32 = 4, 4, "float32"
 
@@ -819,24 +822,57 @@ def _combine_prim_func(H, d):
             m = T.alloc_var(f32)
             den = T.alloc_var(f32)
             m = _f32_const(_NEG_BIG)
-            for j0 in T.serial(T.ceildiv(NS, unroll)):
-                for u in T.unroll(unroll):
-                    if j0 * unroll + u < NS:
-                        m = T.max(m, MP[bb, bs, j0 * unroll + u, h])
             den = T.float32(0)
             T.clear(acc)
-            for j0 in T.serial(T.ceildiv(NS, unroll)):
-                for u in T.unroll(unroll):
-                    w[u] = T.float32(0)
-                    if j0 * unroll + u < NS:
-                        w[u] = T.exp(MP[bb, bs, j0 * unroll + u, h] - m)
-                        den = den + LP[bb, bs, j0 * unroll + u, h] * w[u]
-                        for v in T.vectorized(vec):
-                            part[u, v] = OP[bb, bs, j0 * unroll + u, h, tx * vec + v]
-                for u in T.unroll(unroll):
-                    if j0 * unroll + u < NS:
+            if _COMBINE_ONLINE:
+                mp = T.alloc_local((unroll,), f32)
+                lp = T.alloc_local((unroll,), f32)
+                mg = T.alloc_var(f32)
+                for j0 in T.serial(T.ceildiv(NS, unroll)):
+                    for u in T.unroll(unroll):  # the group's loads first
+                        mp[u] = _f32_const(_NEG_BIG)
+                        lp[u] = T.float32(0)
                         for v in T.unroll(vec):
-                            acc[v] = acc[v] + part[u, v] * w[u]
+                            part[u, v] = T.float32(0)
+                        if j0 * unroll + u < NS:
+                            mp[u] = MP[bb, bs, j0 * unroll + u, h]
+                            lp[u] = LP[bb, bs, j0 * unroll + u, h]
+                            for v in T.vectorized(vec):
+                                part[u, v] = OP[bb, bs, j0 * unroll + u, h, tx * vec + v]
+                    mg = m
+                    for u in T.unroll(unroll):
+                        mg = T.max(mg, mp[u])
+                    if j0 > 0:  # (the first group: nothing to rescale)
+                        den = den * T.exp(m - mg)
+                        for v in T.unroll(vec):
+                            acc[v] = acc[v] * T.exp(m - mg)
+                    for u in T.unroll(unroll):
+                        w[u] = T.float32(0)
+                        if j0 * unroll + u < NS:
+                            w[u] = T.exp(mp[u] - mg)
+                            den = den + lp[u] * w[u]
+                    for u in T.unroll(unroll):
+                        if j0 * unroll + u < NS:
+                            for v in T.unroll(vec):
+                                acc[v] = acc[v] + part[u, v] * w[u]
+                    m = mg
+            else:
+                for j0 in T.serial(T.ceildiv(NS, unroll)):
+                    for u in T.unroll(unroll):
+                        if j0 * unroll + u < NS:
+                            m = T.max(m, MP[bb, bs, j0 * unroll + u, h])
+                for j0 in T.serial(T.ceildiv(NS, unroll)):
+                    for u in T.unroll(unroll):
+                        w[u] = T.float32(0)
+                        if j0 * unroll + u < NS:
+                            w[u] = T.exp(MP[bb, bs, j0 * unroll + u, h] - m)
+                            den = den + LP[bb, bs, j0 * unroll + u, h] * w[u]
+                            for v in T.vectorized(vec):
+                                part[u, v] = OP[bb, bs, j0 * unroll + u, h, tx * vec + v]
+                    for u in T.unroll(unroll):
+                        if j0 * unroll + u < NS:
+                            for v in T.unroll(vec):
+                                acc[v] = acc[v] + part[u, v] * w[u]
             den = den + T.exp(SINK[h] - m)
             for v in T.unroll(vec):
                 ov[v] = T.Cast("bfloat16", acc[v] / den)
