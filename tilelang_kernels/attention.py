@@ -19,9 +19,10 @@ running max and sum; p = exp(l - m_running) joins the sum in fp32 and the value 
 to bf16 for bf16 inputs (fp32 inputs: p unrounded, so the online form is the exact softmax up to
 fp32 rounding); o = acc / (sum + exp(sink - m)) in q's dtype.  A query with no valid entry gets 0.
 Dequantised FP8 and FP4 values are exact in bf16 and fp32, so packed rows enter the products as the
-same numbers the reference gathers.  Differences from the reference: the dot products' summation
-order and expf vs torch's exp (fp32 rounding), which can move a bf16 rounding of p or of o by one
-ulp; and, on CUDA when the list is split over CTAs (below), the max p is rounded against.
+same numbers the reference gathers.  Differences from the reference: the summation order of the
+dot products and of the softmax's sum (on CUDA each thread keeps its part of a row's sum until the
+list ends) and expf vs torch's exp (fp32 rounding), which can move a bf16 rounding of p or of o by
+one ulp; and, on CUDA when the list is split over CTAs (below), the max p is rounded against.
 
 The split's rounding.  The reference rounds p_i = exp(l_i - m_k), m_k the running max over blocks
 0..k; a split starts its running max at its first block, so it rounds p'_i = exp(l_i - m'_k),
