@@ -100,9 +100,6 @@ _NEG_BIG = -1e30
 # CUDA: the fewest blocks a CTA of a split list walks (1: as many CTAs as fill one wave; more trades
 # CTAs for fewer partials to write and merge)
 _MIN_SPLIT_BLOCKS = 1
-# CUDA: the combine kernel merging the splits group by group into a running max (1; prepared, not
-# yet timed on a GPU), or in two passes, the max first (0)
-_COMBINE_ONLINE = 0
 
 # CUDA: 8 values of a packed row (one decode item) into 8 bf16, bit-identical to the references.
 # - FP8 window rows: each pair of E4M3 codes through one cvt to f16x2 (exact), then the
@@ -803,10 +800,11 @@ def _cuda_prim_func(kind, H, d, scale, split):
 def _combine_prim_func(H, d):
     """o = sum_j acc_j e^(m_j - M) / (sum_j l_j e^(m_j - M) + e^(sink - M)), M = max_j m_j, in bf16:
     the splits' partials [B,S,NS,H,(d)] merged; grid (H, S, B), d/4 threads of 4 columns.  The
-    splits are read `unroll` at a time, so that many loads are in flight (NS is dynamic).
-    `_COMBINE_ONLINE`: each group's maxima, sums and partials loaded together, the group merged
-    into a running max (one round trip to L2 a group instead of a pass for M first; with NS <= 4,
-    the batch-32 decode's, the same operations in the same order as the two passes)."""
+    splits are read `unroll` at a time, so that many loads are in flight (NS is dynamic): each
+    group's maxima, sums and partials loaded together, the group merged into a running max (one
+    round trip to L2 a group; a first pass for M took one more: 1.04x at batch 32 on an H100).
+    With NS <= unroll, as at batch 32, M is the running max after the one group, and the sums run
+    in the same order as in the formula above."""
     B, S, NS = T.dynamic("B"), T.dynamic("S"), T.dynamic("NS")
     vec, unroll, f32 = 4, 4, "float32"
 
@@ -819,61 +817,43 @@ def _combine_prim_func(H, d):
             acc = T.alloc_local((vec,), f32)
             part = T.alloc_local((unroll, vec), f32)
             w = T.alloc_local((unroll,), f32)
+            mp = T.alloc_local((unroll,), f32)
+            lp = T.alloc_local((unroll,), f32)
             ov = T.alloc_local((vec,), "bfloat16")
             m = T.alloc_var(f32)
+            mg = T.alloc_var(f32)
             den = T.alloc_var(f32)
             m = _f32_const(_NEG_BIG)
             den = T.float32(0)
             T.clear(acc)
-            if _COMBINE_ONLINE:
-                mp = T.alloc_local((unroll,), f32)
-                lp = T.alloc_local((unroll,), f32)
-                mg = T.alloc_var(f32)
-                for j0 in T.serial(T.ceildiv(NS, unroll)):
-                    for u in T.unroll(unroll):  # the group's loads first
-                        mp[u] = _f32_const(_NEG_BIG)
-                        lp[u] = T.float32(0)
+            for j0 in T.serial(T.ceildiv(NS, unroll)):
+                for u in T.unroll(unroll):  # the group's loads first
+                    mp[u] = _f32_const(_NEG_BIG)
+                    lp[u] = T.float32(0)
+                    for v in T.unroll(vec):
+                        part[u, v] = T.float32(0)
+                    if j0 * unroll + u < NS:
+                        mp[u] = MP[bb, bs, j0 * unroll + u, h]
+                        lp[u] = LP[bb, bs, j0 * unroll + u, h]
+                        for v in T.vectorized(vec):
+                            part[u, v] = OP[bb, bs, j0 * unroll + u, h, tx * vec + v]
+                mg = m
+                for u in T.unroll(unroll):
+                    mg = T.max(mg, mp[u])
+                if j0 > 0:  # (the first group: nothing to rescale)
+                    den = den * T.exp(m - mg)
+                    for v in T.unroll(vec):
+                        acc[v] = acc[v] * T.exp(m - mg)
+                for u in T.unroll(unroll):
+                    w[u] = T.float32(0)
+                    if j0 * unroll + u < NS:
+                        w[u] = T.exp(mp[u] - mg)
+                        den = den + lp[u] * w[u]
+                for u in T.unroll(unroll):
+                    if j0 * unroll + u < NS:
                         for v in T.unroll(vec):
-                            part[u, v] = T.float32(0)
-                        if j0 * unroll + u < NS:
-                            mp[u] = MP[bb, bs, j0 * unroll + u, h]
-                            lp[u] = LP[bb, bs, j0 * unroll + u, h]
-                            for v in T.vectorized(vec):
-                                part[u, v] = OP[bb, bs, j0 * unroll + u, h, tx * vec + v]
-                    mg = m
-                    for u in T.unroll(unroll):
-                        mg = T.max(mg, mp[u])
-                    if j0 > 0:  # (the first group: nothing to rescale)
-                        den = den * T.exp(m - mg)
-                        for v in T.unroll(vec):
-                            acc[v] = acc[v] * T.exp(m - mg)
-                    for u in T.unroll(unroll):
-                        w[u] = T.float32(0)
-                        if j0 * unroll + u < NS:
-                            w[u] = T.exp(mp[u] - mg)
-                            den = den + lp[u] * w[u]
-                    for u in T.unroll(unroll):
-                        if j0 * unroll + u < NS:
-                            for v in T.unroll(vec):
-                                acc[v] = acc[v] + part[u, v] * w[u]
-                    m = mg
-            else:
-                for j0 in T.serial(T.ceildiv(NS, unroll)):
-                    for u in T.unroll(unroll):
-                        if j0 * unroll + u < NS:
-                            m = T.max(m, MP[bb, bs, j0 * unroll + u, h])
-                for j0 in T.serial(T.ceildiv(NS, unroll)):
-                    for u in T.unroll(unroll):
-                        w[u] = T.float32(0)
-                        if j0 * unroll + u < NS:
-                            w[u] = T.exp(MP[bb, bs, j0 * unroll + u, h] - m)
-                            den = den + LP[bb, bs, j0 * unroll + u, h] * w[u]
-                            for v in T.vectorized(vec):
-                                part[u, v] = OP[bb, bs, j0 * unroll + u, h, tx * vec + v]
-                    for u in T.unroll(unroll):
-                        if j0 * unroll + u < NS:
-                            for v in T.unroll(vec):
-                                acc[v] = acc[v] + part[u, v] * w[u]
+                            acc[v] = acc[v] + part[u, v] * w[u]
+                m = mg
             den = den + T.exp(SINK[h] - m)
             for v in T.unroll(vec):
                 ov[v] = T.Cast("bfloat16", acc[v] / den)
