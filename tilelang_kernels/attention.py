@@ -60,7 +60,7 @@ heads (MQA), so one gathered tile serves every head.  Per block:
     rows, as in a long decode) is copied and decoded without a branch per row (`_DECODE_GROUP`);
   - S = q K^T [64, 64] (fp32 accumulation), the online softmax (its row reductions by hand,
     `_SOFTMAX_PRELUDE`: one exchange between the warpgroups a block), acc += bf16(p) V [64, d].
-The fp32 accumulator [64, 512] is 128 of a thread's ~200 registers; shared memory q 64 KB + KVs
+The fp32 accumulator [64, 512] is 128 of a thread's 234 registers; shared memory q 64 KB + KVs
 64 KB + the stage (33 KB for the FP8 ring, 66 KB for bf16 rows) + p 8 KB: 173-205 KB, one CTA per SM.
 Grid: when the query-head groups (B*S*ceil(H/64)) fill the SMs (prefill, large batches), one CTA
 per group walks the whole list and writes o (the reference's rounding of p exactly).  Otherwise
@@ -101,25 +101,6 @@ _NEG_BIG = -1e30
 # CTAs for fewer partials to write and merge)
 _MIN_SPLIT_BLOCKS = 1
 
-# CUDA: 8 values of a packed row (one decode item) into 8 bf16, bit-identical to the references.
-# - FP8 window rows: each pair of E4M3 codes through one cvt to f16x2 (exact), then the
-#   reference's operations, fp32 product by 2^(s-127) (UE8M0 byte s; 0: 2^-127, 255: NaN) rounded
-#   to bf16; the scale is made once per item.
-# - FP4 compressed rows: the E2M1 x 2^-126 words of `CUDA_E2M1_WORDS` (values j, j + 4), put back
-#   in value order by byte permutes, then two bf16x2 multiplies, by 2^126 and by the E4M3 scale
-#   (exact in bf16; made from the byte through f16).  E2M1 times an E4M3 scale needs at most 6
-#   significant bits and stays in bf16's normal range, so both products are exact, like the
-#   reference's fp32 ones; a NaN scale gives NaN.
-# About 33-36 SASS instructions an item, against 45 (FP4, a table of the 16 E2M1 values) and 90
-# (FP8, per-value conversions, the scale's special cases made per value) before: 1.19x at batch 32
-# and 1.25x at batch 1 in a CUDA graph on an H100 (BENCHMARKS.md).
-# CUDA: the online softmax's row reductions by hand (`_SOFTMAX_PRELUDE`).  S [64 heads, 64 entries]
-# is split over the two warpgroups by entries, so each of TileLang's row reductions (T.reduce_max,
-# T.reduce_sum) crossed them through shared memory: per block, for each of a thread's two rows, a
-# __syncthreads and two named barriers, both for the max and for the sum, 12 CTA-wide barriers in
-# all.  By hand: one exchange of the warpgroups' row maxima a block (one named barrier), and the sums
-# kept per thread (the same running max rescales every thread's partial, so they add up to the row's
-# sum) until the loop ends.  1.09x at batch 32 on an H100 (BENCHMARKS.md).
 # CUDA: a block whose listed rows are all compressed, or all FP8 window rows, is decoded by a loop
 # without the per-item branch on the row kind, each group of `_DECODE_GROUP` items' loads before
 # their arithmetic (ptxas keeps an item's loads after the previous item's store otherwise: it cannot
@@ -137,6 +118,75 @@ __device__ __forceinline__ int dsv41c_warp_kinds(int row, int n_window) {
 }
 """
 
+# CUDA: 8 values of a packed row (one decode item) into 8 bf16, bit-identical to the references.
+# - FP8 window rows: each pair of E4M3 codes through one cvt to f16x2 (exact), then the
+#   reference's operations, fp32 product by 2^(s-127) (UE8M0 byte s; 0: 2^-127, 255: NaN) rounded
+#   to bf16; the scale is made once per item.
+# - FP4 compressed rows: the E2M1 x 2^-126 words of `CUDA_E2M1_WORDS` (values j, j + 4), put back
+#   in value order by byte permutes, then two bf16x2 multiplies, by 2^126 and by the E4M3 scale
+#   (exact in bf16; made from the byte through f16).  E2M1 times an E4M3 scale needs at most 6
+#   significant bits and stays in bf16's normal range, so both products are exact, like the
+#   reference's fp32 ones; a NaN scale gives NaN.
+# About 33-36 SASS instructions an item, against 45 (FP4, a table of the 16 E2M1 values) and 90
+# (FP8, per-value conversions, the scale's special cases made per value) before: 1.19x at batch 32
+# and 1.25x at batch 1 in a CUDA graph on an H100 (BENCHMARKS.md).
+_ROW8_PRELUDE = CUDA_PACK_BF16X2 + CUDA_E2M1_WORDS + r"""
+__device__ __forceinline__ unsigned dsv41c_e4m3x2_f16x2(unsigned short c) {
+  unsigned h;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(c));
+  return h;
+}
+
+// the low and the high f16 of h as fp32 (exact); PTX: the prelude comes before the CUDA headers
+__device__ __forceinline__ float dsv41c_f16_lo(unsigned h) {
+  float f;
+  asm("{.reg .b16 l, u;\n mov.b32 {l, u}, %1;\n cvt.f32.f16 %0, l;\n}" : "=f"(f) : "r"(h));
+  return f;
+}
+
+__device__ __forceinline__ float dsv41c_f16_hi(unsigned h) {
+  float f;
+  asm("{.reg .b16 l, u;\n mov.b32 {l, u}, %1;\n cvt.f32.f16 %0, u;\n}" : "=f"(f) : "r"(h));
+  return f;
+}
+
+// 8 E4M3 codes (the 8 bytes at codes) with the UE8M0 scale byte s -> 8 bf16 at out
+__device__ __forceinline__ void dsv41c_fp8_row8(const void* codes, unsigned s, void* out) {
+  const uint2 c = *reinterpret_cast<const uint2*>(codes);
+  const float scale = __uint_as_float(s == 0u ? 0x00400000u : (s == 255u ? 0x7FC00000u : s << 23));
+  const unsigned w[2] = {c.x, c.y};
+  unsigned o[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const unsigned h = dsv41c_e4m3x2_f16x2(static_cast<unsigned short>(w[k / 2] >> (16 * (k % 2))));
+    o[k] = dsv41c_pack_bf16x2(dsv41c_f16_lo(h) * scale, dsv41c_f16_hi(h) * scale);
+  }
+  *reinterpret_cast<uint4*>(out) = make_uint4(o[0], o[1], o[2], o[3]);
+}
+
+// 8 E2M1 codes (the 4 bytes at codes; value 2k in the low nibble of byte k) with the E4M3 scale
+// byte s -> 8 bf16 at out
+__device__ __forceinline__ void dsv41c_fp4_row8(const void* codes, unsigned s, void* out) {
+  unsigned x[4];
+  dsv41c_e2m1_words(*reinterpret_cast<const unsigned*>(codes), x);
+  const float f = dsv41c_f16_lo(dsv41c_e4m3x2_f16x2(static_cast<unsigned short>(s & 0xFFu)));
+  const unsigned sc = dsv41c_pack_bf16x2(f, f);
+  const unsigned o[4] = {__byte_perm(x[0], x[1], 0x5410), __byte_perm(x[2], x[3], 0x5410),
+                         __byte_perm(x[0], x[1], 0x7632), __byte_perm(x[2], x[3], 0x7632)};
+  unsigned v[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) v[k] = dsv41c_mul_bf16x2(dsv41c_mul_bf16x2(o[k], 0x7E807E80u), sc);
+  *reinterpret_cast<uint4*>(out) = make_uint4(v[0], v[1], v[2], v[3]);
+}
+"""
+
+# CUDA: the online softmax's row reductions by hand (`_SOFTMAX_PRELUDE`).  S [64 heads, 64 entries]
+# is split over the two warpgroups by entries, so each of TileLang's row reductions (T.reduce_max,
+# T.reduce_sum) crossed them through shared memory: per block, for each of a thread's two rows, a
+# __syncthreads and two named barriers, both for the max and for the sum, 12 CTA-wide barriers in
+# all.  By hand: one exchange of the warpgroups' row maxima a block (one named barrier), and the sums
+# kept per thread (the same running max rescales every thread's partial, so they add up to the row's
+# sum) until the loop ends.  1.09x at batch 32 on an H100 (BENCHMARKS.md).
 # The wgmma accumulator layout of S (T.gemm's, read off its lowered code): warpgroup g holds entries
 # 32g..32g+31; thread t (warp w of its warpgroup, lane l) rows r0 = 16w + l/4 and r0 + 8 (h = 0, 1)
 # at s[4j + 2h + e], entry 32g + 8j + 2(l % 4) + e (j = 0..3, e = 0, 1); the four lanes of a quad
@@ -221,56 +271,6 @@ __device__ __forceinline__ void dsv41c_row_total(float* v, float* xch) {
   asm volatile("bar.sync 8, 256;" ::: "memory");
   v[0] += xch[64 * (g ^ 1) + r0];
   v[1] += xch[64 * (g ^ 1) + r0 + 8];
-}
-"""
-
-_ROW8_PRELUDE = CUDA_PACK_BF16X2 + CUDA_E2M1_WORDS + r"""
-__device__ __forceinline__ unsigned dsv41c_e4m3x2_f16x2(unsigned short c) {
-  unsigned h;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(c));
-  return h;
-}
-
-// the low and the high f16 of h as fp32 (exact); PTX: the prelude comes before the CUDA headers
-__device__ __forceinline__ float dsv41c_f16_lo(unsigned h) {
-  float f;
-  asm("{.reg .b16 l, u;\n mov.b32 {l, u}, %1;\n cvt.f32.f16 %0, l;\n}" : "=f"(f) : "r"(h));
-  return f;
-}
-
-__device__ __forceinline__ float dsv41c_f16_hi(unsigned h) {
-  float f;
-  asm("{.reg .b16 l, u;\n mov.b32 {l, u}, %1;\n cvt.f32.f16 %0, u;\n}" : "=f"(f) : "r"(h));
-  return f;
-}
-
-// 8 E4M3 codes (the 8 bytes at codes) with the UE8M0 scale byte s -> 8 bf16 at out
-__device__ __forceinline__ void dsv41c_fp8_row8(const void* codes, unsigned s, void* out) {
-  const uint2 c = *reinterpret_cast<const uint2*>(codes);
-  const float scale = __uint_as_float(s == 0u ? 0x00400000u : (s == 255u ? 0x7FC00000u : s << 23));
-  const unsigned w[2] = {c.x, c.y};
-  unsigned o[4];
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const unsigned h = dsv41c_e4m3x2_f16x2(static_cast<unsigned short>(w[k / 2] >> (16 * (k % 2))));
-    o[k] = dsv41c_pack_bf16x2(dsv41c_f16_lo(h) * scale, dsv41c_f16_hi(h) * scale);
-  }
-  *reinterpret_cast<uint4*>(out) = make_uint4(o[0], o[1], o[2], o[3]);
-}
-
-// 8 E2M1 codes (the 4 bytes at codes; value 2k in the low nibble of byte k) with the E4M3 scale
-// byte s -> 8 bf16 at out
-__device__ __forceinline__ void dsv41c_fp4_row8(const void* codes, unsigned s, void* out) {
-  unsigned x[4];
-  dsv41c_e2m1_words(*reinterpret_cast<const unsigned*>(codes), x);
-  const float f = dsv41c_f16_lo(dsv41c_e4m3x2_f16x2(static_cast<unsigned short>(s & 0xFFu)));
-  const unsigned sc = dsv41c_pack_bf16x2(f, f);
-  const unsigned o[4] = {__byte_perm(x[0], x[1], 0x5410), __byte_perm(x[2], x[3], 0x5410),
-                         __byte_perm(x[0], x[1], 0x7632), __byte_perm(x[2], x[3], 0x7632)};
-  unsigned v[4];
-#pragma unroll
-  for (int k = 0; k < 4; ++k) v[k] = dsv41c_mul_bf16x2(dsv41c_mul_bf16x2(o[k], 0x7E807E80u), sc);
-  *reinterpret_cast<uint4*>(out) = make_uint4(v[0], v[1], v[2], v[3]);
 }
 """
 
