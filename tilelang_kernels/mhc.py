@@ -1301,82 +1301,23 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
     return names, _prim_func(names, S, body).with_attr(NO_SYNC_ATTR, 1)
 
 
-def _finalize_lanes_macro(m, D, norm_eps, hc_eps, iters, ks, load):
-    """The CUDA finalize of one token by a group of G lanes (module docstring, CUDA step 2): lane
-    l = i * mp + j holds comb entry (i, j) (mp = m rounded up to a power of two; lanes with i or j
-    >= m hold 0), so a row sum is a butterfly over the j bits of the lane and a column sum over the
-    i bits; lanes 0 .. 2m-1 also hold pre and post, lane 2m the sum of squares.  (G, macro): the
-    macro takes the buffers, the token t, the lane ln (0 .. G-1) and whether t is the group's to
-    store (every lane runs the shuffles); ks() iterates the column groups 1 .. K-1 and load(B, k,
-    t, col) reads workspace element [k, t, col]."""
-    mix = 2 * m + m * m
-    mp = 1 << (m - 1).bit_length()
-    G = max(mp * mp, 1 << (2 * m).bit_length())  # lanes per token: the comb entries and 2m + 1
-    rows = [1 << b for b in range(mp.bit_length() - 1)]  # xor offsets over j (within a row)
-    cols = [mp << b for b in range(mp.bit_length() - 1)]  # over i (within a column)
-    eps = _f32_const(hc_eps)
-
-    @T.macro
-    def lanes(B, t, ln, mine):
-        i, j = ln // mp, ln % mp
-        ok = T.And(i < m, j < m)
-        a = T.alloc_var("float32")  # comb's dot product (entry i, j)
-        b = T.alloc_var("float32")  # pre/post's dot product (lanes < 2m), the sum of squares (2m)
-        c = T.alloc_var("float32")
-        r = T.alloc_var("float32")
-        s = T.alloc_var("float32")
-        q = T.alloc_var("int32")  # the coefficient in b: pre/post 0..2m-1, the sum of squares (mix)
-        a = T.float32(0)
-        b = T.float32(0)
-        q = T.if_then_else(ln < 2 * m, ln, mix)
-        # the K partial sums in order, each lane its own coefficients (every lane runs the
-        # shuffles below, also for a token not its group's: their values are never stored)
-        if mine:
-            if ok:
-                a = load(B, 0, t, 2 * m + i * m + j)
-                for k in ks():
-                    a = a + load(B, k, t, 2 * m + i * m + j)
-            if ln <= 2 * m:
-                b = load(B, 0, t, q)
-                for k in ks():
-                    b = b + load(B, k, t, q)
-        r = T.float32(1) / T.sqrt(T.shfl_sync(b, 2 * m, G) / T.float32(m * D) + _f32_const(norm_eps))
-        if mine:
-            if ln < m:
-                B["PRE"][t, ln] = T.sigmoid(b * r * B["SC"][0] + B["BASE"][ln]) + eps
-            elif ln < 2 * m:
-                B["POST"][t, ln - m] = T.float32(2) * T.sigmoid(b * r * B["SC"][1] + B["BASE"][ln])
-        # row softmax (lanes outside the matrix: -3e38 for the max, 0 after it), then + eps
-        a = a * r * B["SC"][2] + B["BASE"][T.if_then_else(ok, 2 * m + i * m + j, 0)]
-        c = T.if_then_else(ok, a, -_f32_const(3.0e38))
-        for o in rows:
-            c = T.max(c, T.shfl_xor(c, o))
-        a = T.if_then_else(ok, T.exp(a - c), T.float32(0))
-        s = a
-        for o in rows:
-            s = s + T.shfl_xor(s, o)
-        c = T.if_then_else(ok, a / s + eps, T.float32(0))
-        # column, then (row, column) x (iters - 1): c /= (its column's or row's sum + eps)
-        for it in T.serial(2 * iters - 1):
-            s = c
-            for o in cols:
-                s = s + T.shfl_xor(s, T.if_then_else(it % 2 == 0, o, o // mp))
-            c = c / (s + eps)
-        if mine and ok:
-            B["COMB"][t, i, j] = c
-
-    return G, lanes
-
-
 def _cuda_finalize_prim_func(m, D, norm_eps, hc_eps, iters, splits=None):
-    """The finalize kernel: a group of G lanes per token (`_finalize_lanes_macro`)."""
+    """A group of G lanes per token (module docstring, CUDA step 2): lane l = i * mp + j holds
+    comb entry (i, j) (mp = m rounded up to a power of two; lanes with i or j >= m hold 0), so a
+    row sum is a butterfly over the j bits of the lane and a column sum over the i bits; lanes
+    0 .. 2m-1 also hold pre and post, lane 2m the sum of squares."""
     names = _PARAMS["finalize", "main"]
     fixed = splits is not None
     splits = splits if fixed else T.dynamic("K")
     S, N = _buffers(names, "float32", m, D, splits)
     ks = functools.partial(T.unroll, 1, splits) if fixed else functools.partial(T.serial, 1, splits)
-    G, lanes = _finalize_lanes_macro(m, D, norm_eps, hc_eps, iters, ks, lambda B, k, t, col: B["WS"][k, t, col])
+    mix = 2 * m + m * m
+    mp = 1 << (m - 1).bit_length()
+    G = max(mp * mp, 1 << (2 * m).bit_length())  # lanes per token: the comb entries and 2m + 1
+    rows = [1 << b for b in range(mp.bit_length() - 1)]  # xor offsets over j (within a row)
+    cols = [mp << b for b in range(mp.bit_length() - 1)]  # over i (within a column)
     threads = 128
+    eps = _f32_const(hc_eps)
 
     @T.macro
     def body(B):
@@ -1384,6 +1325,52 @@ def _cuda_finalize_prim_func(m, D, norm_eps, hc_eps, iters, splits=None):
             tx = T.get_thread_binding()
             TCU.pdl_sync()  # launched early (programmatic launch): wait for the mixing kernel's workspace
             t = bx * (threads // G) + tx // G
-            lanes(B, t, tx % G, t < N)
+            ln = tx % G
+            i, j = ln // mp, ln % mp
+            ok = T.And(i < m, j < m)
+            a = T.alloc_var("float32")  # comb's dot product (entry i, j)
+            b = T.alloc_var("float32")  # pre/post's dot product (lanes < 2m), the sum of squares (2m)
+            c = T.alloc_var("float32")
+            r = T.alloc_var("float32")
+            s = T.alloc_var("float32")
+            q = T.alloc_var("int32")  # the coefficient in b: pre/post 0..2m-1, the sum of squares (mix)
+            a = T.float32(0)
+            b = T.float32(0)
+            q = T.if_then_else(ln < 2 * m, ln, mix)
+            # the K partial sums in order, each lane its own coefficients (every lane runs the
+            # shuffles below, also past N: their values are never stored)
+            if t < N:
+                if ok:
+                    a = B["WS"][0, t, 2 * m + i * m + j]
+                    for k in ks():
+                        a = a + B["WS"][k, t, 2 * m + i * m + j]
+                if ln <= 2 * m:
+                    b = B["WS"][0, t, q]
+                    for k in ks():
+                        b = b + B["WS"][k, t, q]
+            r = T.float32(1) / T.sqrt(T.shfl_sync(b, 2 * m, G) / T.float32(m * D) + _f32_const(norm_eps))
+            if t < N:
+                if ln < m:
+                    B["PRE"][t, ln] = T.sigmoid(b * r * B["SC"][0] + B["BASE"][ln]) + eps
+                elif ln < 2 * m:
+                    B["POST"][t, ln - m] = T.float32(2) * T.sigmoid(b * r * B["SC"][1] + B["BASE"][ln])
+            # row softmax (lanes outside the matrix: -3e38 for the max, 0 after it), then + eps
+            a = a * r * B["SC"][2] + B["BASE"][T.if_then_else(ok, 2 * m + i * m + j, 0)]
+            c = T.if_then_else(ok, a, -_f32_const(3.0e38))
+            for o in rows:
+                c = T.max(c, T.shfl_xor(c, o))
+            a = T.if_then_else(ok, T.exp(a - c), T.float32(0))
+            s = a
+            for o in rows:
+                s = s + T.shfl_xor(s, o)
+            c = T.if_then_else(ok, a / s + eps, T.float32(0))
+            # column, then (row, column) x (iters - 1): c /= (its column's or row's sum + eps)
+            for it in T.serial(2 * iters - 1):
+                s = c
+                for o in cols:
+                    s = s + T.shfl_xor(s, T.if_then_else(it % 2 == 0, o, o // mp))
+                c = c / (s + eps)
+            if t < N and ok:
+                B["COMB"][t, i, j] = c
 
     return names, _prim_func(names, S, body)
