@@ -107,10 +107,6 @@ _MIN_SPLIT_BLOCKS = 1
 # tell the stage from KVs); the kinds are voted per warp where the row numbers are set
 # (`_KINDS_PRELUDE`).  1.11x at batch 32 on an H100 (groups of 4, 8 and 16 items: the same).
 _DECODE_GROUP = 8
-# CUDA: such a group of compressed items whose scales are all below 4 in magnitude (a warp vote)
-# multiplies each bf16x2 word once, by scale x 2^126, instead of by 2^126 and then by the scale
-# (`dsv41c_fp4_row8_as<true>`: the same exact products).  Prepared, not yet timed on a GPU.
-_FP4_ONE_MUL = 0
 # Such a block's rows are also copied into the stage without the branch on each row's kind, the
 # kind's chunks spread over all threads (a compressed row's 256 B of codes took 8 rounds of 16-byte
 # chunks with half the threads idle, as a window row's 512 B does): 1.07x at batch 32 on an H100.
@@ -169,30 +165,20 @@ __device__ __forceinline__ void dsv41c_fp8_row8(const void* codes, unsigned s, v
 }
 
 // 8 E2M1 codes (the 4 bytes at codes; value 2k in the low nibble of byte k) with the E4M3 scale
-// byte s -> 8 bf16 at out.  one_mul (`_FP4_ONE_MUL`, where every lane's scale bytes of the group are
-// below 0x48, E4M3 4.0): one multiply, by scale x 2^126, an exact bf16 (and the product exact)
-// while |scale| < 4, in place of the two.
-template <bool one_mul>
-__device__ __forceinline__ void dsv41c_fp4_row8_as(const void* codes, unsigned s, void* out) {
+// byte s -> 8 bf16 at out: E2M1 x 2^-126 words, times 2^126, times the scale (scale x 2^126 would
+// overflow bf16 from scale 4 on; one multiply where every scale of a group is below 4 was timed on an
+// H100: 1-4% slower).
+__device__ __forceinline__ void dsv41c_fp4_row8(const void* codes, unsigned s, void* out) {
   unsigned x[4];
   dsv41c_e2m1_words(*reinterpret_cast<const unsigned*>(codes), x);
-  const float f = dsv41c_f16_lo(dsv41c_e4m3x2_f16x2(static_cast<unsigned short>(s & 0xFFu))) *
-                  (one_mul ? 0x1p126f : 1.0f);
+  const float f = dsv41c_f16_lo(dsv41c_e4m3x2_f16x2(static_cast<unsigned short>(s & 0xFFu)));
   const unsigned sc = dsv41c_pack_bf16x2(f, f);
   const unsigned o[4] = {__byte_perm(x[0], x[1], 0x5410), __byte_perm(x[2], x[3], 0x5410),
                          __byte_perm(x[0], x[1], 0x7632), __byte_perm(x[2], x[3], 0x7632)};
   unsigned v[4];
 #pragma unroll
-  for (int k = 0; k < 4; ++k) v[k] = dsv41c_mul_bf16x2(one_mul ? o[k] : dsv41c_mul_bf16x2(o[k], 0x7E807E80u), sc);
+  for (int k = 0; k < 4; ++k) v[k] = dsv41c_mul_bf16x2(dsv41c_mul_bf16x2(o[k], 0x7E807E80u), sc);
   *reinterpret_cast<uint4*>(out) = make_uint4(v[0], v[1], v[2], v[3]);
-}
-
-// 1 where every lane's n scale bytes s[] are below 0x48 (|E4M3| < 4); the warp must be converged
-__device__ __forceinline__ int dsv41c_scales_small(const unsigned* s, int n) {
-  bool ok = true;
-#pragma unroll
-  for (int k = 0; k < n; ++k) ok = ok && (s[k] & 0x7Fu) < 0x48u;
-  return __all_sync(0xffffffffu, ok) ? 1 : 0;
 }
 """
 
@@ -591,7 +577,7 @@ def _cuda_prim_func(kind, H, d, scale, split):
                 for j in T.unroll(vec // 2):
                     cb[j] = T.Cast("uint8", T.reinterpret(stage[r, c0 // 4 + j // 2], "uint16")
                                    >> T.uint16(8 * (j % 2)))
-            T.call_extern("handle", "dsv41c_fp4_row8_as<false>", T.address_of(cb[0]),
+            T.call_extern("handle", "dsv41c_fp4_row8", T.address_of(cb[0]),
                           T.Cast("uint32", stage_s[r, c0 // 16]), T.address_of(vl[0]))
             for j in T.vectorized(vec):
                 KVs[r, c0 + j] = vl[j]
@@ -643,14 +629,8 @@ def _cuda_prim_func(kind, H, d, scale, split):
                             cbs[k, j] = T.Cast("uint8", T.reinterpret(stage[r, c0 // 4 + j // 2], "uint16")
                                                >> T.uint16(8 * (j % 2)))
                     scs[k] = T.Cast("uint32", stage_s[r, c0 // 16])
-            if row_kind == "comp" and _FP4_ONE_MUL:
-                if T.call_extern("int32", "dsv41c_scales_small", T.address_of(scs[0]), UG) != 0:
-                    decode_group("dsv41c_fp4_row8_as<true>", g, KVs, cbs, scs, vl, tx)
-                else:
-                    decode_group("dsv41c_fp4_row8_as<false>", g, KVs, cbs, scs, vl, tx)
-            else:
-                fn = "dsv41c_fp8_row8" if row_kind == "window" else "dsv41c_fp4_row8_as<false>"
-                decode_group(fn, g, KVs, cbs, scs, vl, tx)
+            fn = "dsv41c_fp8_row8" if row_kind == "window" else "dsv41c_fp4_row8"
+            decode_group(fn, g, KVs, cbs, scs, vl, tx)
 
     @T.macro
     def decode(stage, stage_s, rowS, kindS, buf, KVs, cb, cbs, scs, vl, tx):
