@@ -68,7 +68,10 @@ per group walks the whole list and writes o (the reference's rounding of p exact
 blocks per CTA that keep all CTAs in one wave (H200, H=64, K=640: batch 1 -> 10 CTAs of 1 block,
 batch 32 -> 4 CTAs of 3, 3, 3, 1 blocks), each writing its unnormalised acc [H, d], running max and
 sum in fp32; a second kernel merges them: M = max_j m_j, o = sum_j acc_j e^(m_j - M) /
-(sum_j l_j e^(m_j - M) + e^(sink - M)).  That kernel is launched programmatically: the split kernel
+(sum_j l_j e^(m_j - M) + e^(sink - M)).  Where NS is even and each CTA walks at least two blocks
+(`pair_merged`: batch 32), CTAs 2p and 2p + 1 run as a cluster of two and first merge their two
+partials into one the same way, through distributed shared memory (half the partials written and
+read back; the fp32 sums then round in two levels instead of one).  That kernel is launched programmatically: the split kernel
 triggers at its start, so the merge's launch hides under its tail, and the merge waits
 (griddepcontrol) before it reads any partial.  The split depends on the batch, so a sequence's output may
 differ by the rounding above between batch sizes.  The packed builds need d a multiple of 128 (a
@@ -90,7 +93,8 @@ from dsv41c.tilelang_kernels.quant import (CUDA_E2M1_WORDS, CUDA_PACK_BF16X2, _b
                                             define_op, kernel_target, rows_buffer)
 
 __all__ = ["BLOCK", "KINDS", "attention_prim_func", "build", "combine_prim_func", "num_splits",
-           "packed_head_dim_problem", "sparse_attn", "sparse_attn_packed", "sparse_attn_packed_ref", "sparse_attn_ref"]
+           "packed_head_dim_problem", "pair_merged", "sparse_attn", "sparse_attn_packed",
+           "sparse_attn_packed_ref", "sparse_attn_ref"]
 
 BLOCK = 64  # list entries per online-softmax step (§6.8)
 KINDS = ("plain", "packed_rows", "packed_fp8")  # kv rows; packed with a plain window; packed with an FP8 ring
@@ -100,6 +104,49 @@ _NEG_BIG = -1e30
 # CUDA: the fewest blocks a CTA of a split list walks (1: as many CTAs as fill one wave; more trades
 # CTAs for fewer partials to write and merge)
 _MIN_SPLIT_BLOCKS = 1
+# CUDA: a split into an even number NS of CTAs per query, each walking at least `_PAIR_MIN_BLOCKS`
+# blocks (ceil(blocks / NS)), runs them as clusters of two, whose pair merges its two partials on
+# chip (distributed shared memory, `pair_merge`) and writes one: half the fp32 partials written and
+# read back by the combine.  On an H100, 64K: batch 32 (4 CTAs of 3, 3, 3, 1 blocks) 24.0-24.2 us
+# against 24.7-25.3; batch 1 (10 CTAs of 1 block) 13.4-13.6 against 11.3, where the merge's own
+# cost (the acc through shared memory, two cluster barriers) outweighs what it saves.
+_PAIR_MIN_BLOCKS = 2
+_PAIR_PAD = 8  # fp32 padding of a row of the shared accumulator copy: conflict-free 8-byte stores
+
+# The cluster barrier and the loads from the other CTA's shared memory (mapa + ld.shared::cluster)
+# of the pair merge (`_PAIR_MIN_BLOCKS`).
+_PAIR_PRELUDE = r"""
+// Trap unless the kernel runs in clusters of 2 CTAs (a launch without them would read wrong CTAs).
+__device__ __forceinline__ void dsv41c_pair_check() {
+  unsigned n;
+  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+  if (n != 2u) __trap();
+}
+
+__device__ __forceinline__ void dsv41c_cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// The shared::cluster address of p (this CTA's shared memory) in the cluster's CTA `rank`.
+__device__ __forceinline__ unsigned dsv41c_peer(const void* p, unsigned rank) {
+  unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p)), r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
+  return r;
+}
+
+// The float at p in the shared memory of the cluster's CTA `rank`.
+__device__ __forceinline__ float dsv41c_ld_peer(const void* p, unsigned rank) {
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(dsv41c_peer(p, rank)) : "memory");
+  return v;
+}
+
+// The 4 floats at p (16-byte aligned) in the shared memory of the cluster's CTA `rank`, into v.
+__device__ __forceinline__ void dsv41c_ld_peer4(float* v, const void* p, unsigned rank) {
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v[0]), "=f"(v[1]), "=f"(v[2]), "=f"(v[3]) : "r"(dsv41c_peer(p, rank)) : "memory");
+}
+"""
 
 # CUDA: a block whose listed rows are all compressed, or all FP8 window rows, is decoded by a loop
 # without the per-item branch on the row kind, each group of `_DECODE_GROUP` items' loads before
@@ -453,13 +500,16 @@ def _cpu_prim_func(kind, dtype, H, d, scale):
 
 # ------------------------------------------------------------------------------------- CUDA
 
-def _cuda_prim_func(kind, H, d, scale, split):
+def _cuda_prim_func(kind, H, d, scale, split, pair=False):
     """bf16 only (module docstring): CTAs of 256 threads, each HB heads of one query token.
     split False: grid (S, B, HG), a CTA walks the whole list and writes o.  split True: grid
     (NS, S, B*HG), CTA j walks the j-th run of ceil(blocks / NS) blocks and writes its partial
-    (acc, running max, sum) for `_combine_prim_func`."""
+    (acc, running max, sum) for `_combine_prim_func`.  pair (`pair_merged`): grid (2 NP, S, B*HG) in
+    clusters of two, NP partials, each the on-chip merge of CTAs 2p and 2p + 1's."""
     D = _dims()
-    B, S, K, N, NC, NS = D["B"], D["S"], D["K"], D["N"], D["NC"], T.dynamic("NS")
+    B, S, K, N, NC, NP = D["B"], D["S"], D["K"], D["N"], D["NC"], T.dynamic("NS")
+    NS = 2 * NP if pair else NP  # the CTAs (runs of the list) of a query; NP: its partials
+    assert split or not pair
     HB, threads = _CUDA_HEADS, _CUDA_THREADS
     HG = -(-H // HB)
     assert threads == 2 * 128 and HB == 64, "_SOFTMAX_PRELUDE's layout: two warpgroups, one wgmma M"
@@ -666,6 +716,53 @@ def _cuda_prim_func(kind, H, d, scale, split):
             nxt[0] = R["IDX"][bb, bs, blk * BLOCK + tx]
 
     @T.macro
+    def pair_merge(R, acc, mrun, den, head, bj, bs, bb, bh, tx):
+        """The pair's two partials merged and written as partial bj // 2: each CTA leaves its acc
+        (rows padded), running max and sum in its shared memory; after a cluster barrier CTA rank
+        r = bj % 2 merges heads 32 r .. 32 r + 31 of both, reading the other's through distributed
+        shared memory, m = max(m_0, m_1), acc = acc_0 e^(m_0 - m) + acc_1 e^(m_1 - m), the same for
+        the sum; a second barrier keeps each CTA's shared memory alive until the other is done."""
+        rows, G = HB // 2, 4  # heads a CTA merges; items whose loads go out together
+        Xs = T.alloc_shared((HB, d + _PAIR_PAD), f32)  # (the planner places it over the dead tiles)
+        Ms = T.alloc_shared((HB,), f32)
+        Ls = T.alloc_shared((HB,), f32)
+        ml = T.alloc_local((G, 4), f32)  # an item's m_0, m_1, l_0, l_1
+        xs = T.alloc_local((G, 2, 4), f32)  # its 4 columns of acc_0 and acc_1
+        mx = T.alloc_var(f32)
+        T.call_extern("handle", "dsv41c_pair_check")
+        T.sync_threads()  # every warpgroup's last GEMM is done with the tiles Xs may cover
+        if tx % 4 == 0 and tx < 128:
+            for k in [0, 1]:  # (a list: unrolled at trace time)
+                Ms[head[k]] = mrun[k]
+                Ls[head[k]] = den[k]
+        for h, c in T.Parallel(HB, d):
+            Xs[h, c] = acc[h, c]
+        T.call_extern("handle", "dsv41c_cluster_sync")
+        for g in T.serial(rows * d // 4 // threads // G):
+            for k in T.unroll(G):  # the group's loads first: in flight together
+                h = bj % 2 * rows + ((g * G + k) * threads + tx) // (d // 4)
+                c = ((g * G + k) * threads + tx) % (d // 4) * 4
+                for j in T.unroll(2):
+                    ml[k, j] = T.call_extern(f32, "dsv41c_ld_peer", T.address_of(Ms[h]), j)
+                    ml[k, 2 + j] = T.call_extern(f32, "dsv41c_ld_peer", T.address_of(Ls[h]), j)
+                    T.call_extern("handle", "dsv41c_ld_peer4", T.address_of(xs[k, j, 0]), T.address_of(Xs[h, c]), j)
+            for k in T.unroll(G):
+                h = bj % 2 * rows + ((g * G + k) * threads + tx) // (d // 4)
+                c = ((g * G + k) * threads + tx) % (d // 4) * 4
+                mx = T.max(ml[k, 0], ml[k, 1])
+                ml[k, 0] = T.exp(ml[k, 0] - mx)
+                ml[k, 1] = T.exp(ml[k, 1] - mx)
+                for v in T.unroll(4):
+                    xs[k, 0, v] = xs[k, 0, v] * ml[k, 0] + xs[k, 1, v] * ml[k, 1]
+                if bh * HB + h < H:
+                    for v in T.vectorized(4):
+                        R["OP"][bb, bs, bj // 2, bh * HB + h, c + v] = xs[k, 0, v]
+                    if c == 0:
+                        R["MP"][bb, bs, bj // 2, bh * HB + h] = mx
+                        R["LP"][bb, bs, bj // 2, bh * HB + h] = ml[k, 2] * ml[k, 0] + ml[k, 3] * ml[k, 1]
+        T.call_extern("handle", "dsv41c_cluster_sync")
+
+    @T.macro
     def attend(R, bj, bs, bb, bh):
         """Heads bh*HB.. of query (bb, bs) over blocks blk0 .. blk0+nb-1 of its list: split j of NS
         (split), or the whole list.  Block i's rows are copied (cp.async) into the stage while block
@@ -735,17 +832,14 @@ def _cuda_prim_func(kind, H, d, scale, split):
         T.call_extern("handle", "dsv41c_row_total", T.address_of(den[0]), T.address_of(xch[0]))
         rows = [0, 1]  # the thread's rows: head[k] (a list: unrolled at trace time)
         head = [16 * (tx % 128 // 32) + tx % 32 // 4 + 8 * k for k in rows]
-        if split:  # one thread of each row's eight stores its max and sum
-            if tx % 4 == 0 and tx < 128:
+        if pair:
+            pair_merge(R, acc, mrun, den, head, bj, bs, bb, bh, tx)
+        elif split:  # unnormalised: the combine rescales every split to the final max
+            if tx % 4 == 0 and tx < 128:  # one thread of each row's eight stores its max and sum
                 for k in rows:
                     if bh * HB + head[k] < H:
                         R["MP"][bb, bs, bj, bh * HB + head[k]] = mrun[k]
                         R["LP"][bb, bs, bj, bh * HB + head[k]] = den[k]
-        else:
-            for k in rows:
-                den[k] = den[k] + T.exp(R["SINK"][T.min(bh * HB + head[k], H - 1)] - mrun[k])
-            T.call_extern("handle", "dsv41c_rows_scale<true>", acc.data, T.address_of(den[0]), nacc)
-        if split:  # unnormalised: the combine rescales every split to the final max
             if H % HB == 0:
                 T.copy(acc, R["OP"][bb, bs, bj, bh * HB:(bh + 1) * HB, :])
             else:
@@ -753,6 +847,9 @@ def _cuda_prim_func(kind, H, d, scale, split):
                     if bh * HB + h < H:
                         R["OP"][bb, bs, bj, bh * HB + h, c] = acc[h, c]
         else:
+            for k in rows:
+                den[k] = den[k] + T.exp(R["SINK"][T.min(bh * HB + head[k], H - 1)] - mrun[k])
+            T.call_extern("handle", "dsv41c_rows_scale<true>", acc.data, T.address_of(den[0]), nacc)
             if H % HB == 0:
                 T.copy(acc, R["O"][bb, bs, bh * HB:(bh + 1) * HB, :])
             else:
@@ -766,14 +863,19 @@ def _cuda_prim_func(kind, H, d, scale, split):
     ct, cst = T.Tensor((B, NC, d // 2), "uint8"), T.Tensor((B, NC, d // 16), "uint8")
     # outputs: o [B,S,H,d] bf16, or the partials: acc [B,S,NS,H,d] fp32 and max, sum [B,S,NS,H] fp32
     # (one annotation object per parameter: two parameters given the same one become one buffer)
-    ot, opt = T.Tensor((B, S, H, d), bf), T.Tensor((B, S, NS, H, d), f32)
-    mpt, lpt = T.Tensor((B, S, NS, H), f32), T.Tensor((B, S, NS, H), f32)
+    ot, opt = T.Tensor((B, S, H, d), bf), T.Tensor((B, S, NP, H, d), f32)
+    mpt, lpt = T.Tensor((B, S, NP, H), f32), T.Tensor((B, S, NP, H), f32)
 
     prelude = _SOFTMAX_PRELUDE + ("" if kind == "plain" else _ROW8_PRELUDE + _KINDS_PRELUDE)
 
     @T.macro
     def run(R):
-        if split:
+        if pair:
+            with T.Kernel(NS, S, B * HG, threads=threads, prelude=prelude + _PAIR_PRELUDE,
+                          cluster_dims=(2, 1, 1)) as (bj, bs, bz):
+                TCU.pdl_trigger()
+                attend(R, bj, bs, bz // HG, bz % HG)
+        elif split:
             with T.Kernel(NS, S, B * HG, threads=threads, prelude=prelude) as (bj, bs, bz):
                 TCU.pdl_trigger()  # the combine kernel may launch once every CTA of this one has started
                 attend(R, bj, bs, bz // HG, bz % HG)
@@ -876,7 +978,8 @@ def _combine_prim_func(H, d):
 
 # ------------------------------------------------------------------------------------- builds
 
-def attention_prim_func(kind: str, dtype: str, H: int, d: int, scale: float, target: str, split: bool = False):
+def attention_prim_func(kind: str, dtype: str, H: int, d: int, scale: float, target: str, split: bool = False,
+                        pair: bool = False):
     """The prim_func of one op variant: kind in KINDS, dtype "float32"/"bfloat16", target "c"/"cuda";
     split (CUDA only): the kernel writing one split's partials, merged by `combine_prim_func`."""
     if kind not in KINDS or dtype not in ("float32", "bfloat16") or H < 1 or d < 1:
@@ -885,7 +988,7 @@ def attention_prim_func(kind: str, dtype: str, H: int, d: int, scale: float, tar
         if split:
             raise ValueError("sparse_attn kernels: the C build has no split variant")
         return _cpu_prim_func(kind, dtype, H, d, scale)
-    return _cuda_prim_func(kind, H, d, scale, split)
+    return _cuda_prim_func(kind, H, d, scale, split, pair)
 
 
 def combine_prim_func(H: int, d: int):
@@ -894,12 +997,13 @@ def combine_prim_func(H: int, d: int):
 
 
 @functools.lru_cache(maxsize=None)
-def build(kind: str, dtype: str, H: int, d: int, scale: float, target: str, split: bool = False):
+def build(kind: str, dtype: str, H: int, d: int, scale: float, target: str, split: bool = False,
+          pair: bool = False):
     """Compiled kernel, once per process per key; target "c" (CPU) or "cuda[:sm_XX]"; kind "combine"
     is the merge of a split call (dtype and scale unused)."""
     if kind == "combine":
         return compile_for(combine_prim_func(H, d), target)
-    fn = attention_prim_func(kind, dtype, H, d, scale, "c" if target == "c" else "cuda", split)
+    fn = attention_prim_func(kind, dtype, H, d, scale, "c" if target == "c" else "cuda", split, pair)
     return compile_for(fn, target)
 
 
@@ -912,6 +1016,12 @@ def num_splits(ctas: int, blocks: int, sms: int) -> int:
         return 1
     per_cta = next(n for n in range(1, blocks + 1) if ctas * -(-blocks // n) <= sms)
     return -(-blocks // max(per_cta, _MIN_SPLIT_BLOCKS))
+
+
+def pair_merged(ns: int, blocks: int) -> bool:
+    """Whether a split into ns CTAs per query over lists of `blocks` blocks merges its partials in
+    clusters of two (`_PAIR_MIN_BLOCKS`)."""
+    return ns > 1 and ns % 2 == 0 and -(-blocks // ns) >= _PAIR_MIN_BLOCKS
 
 
 @functools.cache
@@ -974,9 +1084,11 @@ def _run(kind, q, srcs, sink, idx, scale):
     if ns == 1:
         build(*kernel_key)(qa, *srcs, sink, idx, _arg(out, target), nv)
         return out
-    acc = q.new_empty((b, s, ns, h, d), dtype=torch.float32)
-    m, l = (q.new_empty((b, s, ns, h), dtype=torch.float32) for _ in range(2))
-    build(*kernel_key, True)(qa, *srcs, idx, acc, m, l, nv)
+    pair = pair_merged(ns, -(-idx.shape[-1] // BLOCK))
+    npart = ns // 2 if pair else ns
+    acc = q.new_empty((b, s, npart, h, d), dtype=torch.float32)
+    m, l = (q.new_empty((b, s, npart, h), dtype=torch.float32) for _ in range(2))
+    build(*kernel_key, True, pair)(qa, *srcs, idx, acc, m, l, nv)
     build("combine", "bfloat16", h, d, 0.0, target)(acc, m, l, sink, out)
     return out
 
