@@ -71,9 +71,9 @@ sum in fp32; a second kernel merges them: M = max_j m_j, o = sum_j acc_j e^(m_j 
 (sum_j l_j e^(m_j - M) + e^(sink - M)).  Where NS is even and each CTA walks at least two blocks
 (`pair_merged`: batch 32), CTAs 2p and 2p + 1 run as a cluster of two and first merge their two
 partials into one the same way, through distributed shared memory (half the partials written and
-read back; the fp32 sums then round in two levels instead of one).  That kernel is launched programmatically: the split kernel
-triggers at its start, so the merge's launch hides under its tail, and the merge waits
-(griddepcontrol) before it reads any partial.  The split depends on the batch, so a sequence's output may
+read back; the fp32 sums then round in two levels instead of one).  The merging kernel is launched
+programmatically: the split kernel triggers at its start, so the merge's launch hides under its
+tail, and the merge waits (griddepcontrol) before it reads any partial.  The split depends on the batch, so a sequence's output may
 differ by the rounding above between batch sizes.  The packed builds need d a multiple of 128 (a
 window row's scales must fill a 4-byte cp.async).
 """
@@ -749,7 +749,7 @@ def _cuda_prim_func(kind, H, d, scale, split, pair=False):
             for k in T.unroll(G):  # the group's loads first: in flight together
                 h = bj % 2 * rows + ((g * G + k) * threads + tx) // (d // 4)
                 c = ((g * G + k) * threads + tx) % (d // 4) * 4
-                if _PAIR_LOCAL_OWN:  # this CTA's values from its own shared memory, the other's: 0, 1
+                if _PAIR_LOCAL_OWN:  # index 0: this CTA's, from its own shared memory; 1: the other's
                     ml[k, 0] = Ms[h]
                     ml[k, 2] = Ls[h]
                     for v in T.vectorized(4):
