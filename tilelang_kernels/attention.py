@@ -1098,13 +1098,13 @@ def _run(kind, q, srcs, sink, idx, scale):
     nv = srcs[-1].shape[1]
     qa, *srcs = (_arg(t, target) for t in (q, *srcs[:-2], *map(rows_buffer, srcs[-2:])))
     sink, idx = _arg(sink, target), _arg(idx, target)
-    ns = 1
+    ns, blocks = 1, -(-idx.shape[-1] // BLOCK)
     if target != "c":
-        ns = num_splits(b * s * -(-h // _CUDA_HEADS), -(-idx.shape[-1] // BLOCK), _sm_count(q.device.index))
+        ns = num_splits(b * s * -(-h // _CUDA_HEADS), blocks, _sm_count(q.device.index))
     if ns == 1:
         build(*kernel_key)(qa, *srcs, sink, idx, _arg(out, target), nv)
         return out
-    pair = pair_merged(ns, -(-idx.shape[-1] // BLOCK))
+    pair = pair_merged(ns, blocks)
     npart = ns // 2 if pair else ns
     acc = q.new_empty((b, s, npart, h, d), dtype=torch.float32)
     m, l = (q.new_empty((b, s, npart, h), dtype=torch.float32) for _ in range(2))
