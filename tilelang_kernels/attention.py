@@ -111,13 +111,6 @@ _MIN_SPLIT_BLOCKS = 1
 # against 24.7-25.3; batch 1 (10 CTAs of 1 block) 13.4-13.6 against 11.3, where the merge's own
 # cost (the acc through shared memory, two cluster barriers) outweighs what it saves.
 _PAIR_MIN_BLOCKS = 2
-# CUDA: the first block of a CTA's run does not rescale acc (all zeros there; 128 multiplies a
-# thread).  Prepared, not yet timed on a GPU (off).
-_SKIP_FIRST_RESCALE = 0
-# CUDA: the pair merge reads its own CTA's values from its shared memory, only the other's through
-# distributed shared memory (the sums' operands in another order: fp32 addition commutes).
-# Prepared, not yet timed on a GPU (off).
-_PAIR_LOCAL_OWN = 0
 _PAIR_PAD = 8  # fp32 padding of a row of the shared accumulator copy: conflict-free 8-byte stores
 
 # The cluster barrier and the loads from the other CTA's shared memory (mapa + ld.shared::cluster)
@@ -749,20 +742,10 @@ def _cuda_prim_func(kind, H, d, scale, split, pair=False):
             for k in T.unroll(G):  # the group's loads first: in flight together
                 h = bj % 2 * rows + ((g * G + k) * threads + tx) // (d // 4)
                 c = ((g * G + k) * threads + tx) % (d // 4) * 4
-                if _PAIR_LOCAL_OWN:  # index 0: this CTA's, from its own shared memory; 1: the other's
-                    ml[k, 0] = Ms[h]
-                    ml[k, 2] = Ls[h]
-                    for v in T.vectorized(4):
-                        xs[k, 0, v] = Xs[h, c + v]
-                    ml[k, 1] = T.call_extern(f32, "dsv41c_ld_peer", T.address_of(Ms[h]), 1 - bj % 2)
-                    ml[k, 3] = T.call_extern(f32, "dsv41c_ld_peer", T.address_of(Ls[h]), 1 - bj % 2)
-                    T.call_extern("handle", "dsv41c_ld_peer4", T.address_of(xs[k, 1, 0]), T.address_of(Xs[h, c]),
-                                  1 - bj % 2)
-                else:  # ranks 0, 1
-                    for j in T.unroll(2):
-                        ml[k, j] = T.call_extern(f32, "dsv41c_ld_peer", T.address_of(Ms[h]), j)
-                        ml[k, 2 + j] = T.call_extern(f32, "dsv41c_ld_peer", T.address_of(Ls[h]), j)
-                        T.call_extern("handle", "dsv41c_ld_peer4", T.address_of(xs[k, j, 0]), T.address_of(Xs[h, c]), j)
+                for j in T.unroll(2):  # ranks 0, 1
+                    ml[k, j] = T.call_extern(f32, "dsv41c_ld_peer", T.address_of(Ms[h]), j)
+                    ml[k, 2 + j] = T.call_extern(f32, "dsv41c_ld_peer", T.address_of(Ls[h]), j)
+                    T.call_extern("handle", "dsv41c_ld_peer4", T.address_of(xs[k, j, 0]), T.address_of(Xs[h, c]), j)
             for k in T.unroll(G):
                 h = bj % 2 * rows + ((g * G + k) * threads + tx) // (d // 4)
                 c = ((g * G + k) * threads + tx) % (d // 4) * 4
@@ -844,10 +827,7 @@ def _cuda_prim_func(kind, H, d, scale, split, pair=False):
                           T.address_of(mrun[0]), T.address_of(den[0]), T.address_of(alpha[0]),
                           T.address_of(xch[0]), _f32_const(scale))
             T.copy(Sf, Ps)
-            if not _SKIP_FIRST_RESCALE:
-                T.call_extern("handle", "dsv41c_rows_scale<false>", acc.data, T.address_of(alpha[0]), nacc)
-            elif i > 0:  # (the first block's acc is 0: nothing to rescale)
-                T.call_extern("handle", "dsv41c_rows_scale<false>", acc.data, T.address_of(alpha[0]), nacc)
+            T.call_extern("handle", "dsv41c_rows_scale<false>", acc.data, T.address_of(alpha[0]), nacc)
             T.gemm(Ps, KVs, acc)
         T.call_extern("handle", "dsv41c_row_total", T.address_of(den[0]), T.address_of(xch[0]))
         rows = [0, 1]  # the thread's rows: head[k] (a list: unrolled at trace time)
