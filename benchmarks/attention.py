@@ -13,9 +13,9 @@ released kv sources), of which the index list names the top-k = 512 (ascending, 
 emits them), after the 128 ring slots: K = 640 entries.
 
 The kernel splits each query's list over several CTAs when the batch alone does not fill the SMs
-(`num_splits` in tilelang_kernels/attention.py; "CTAs/query" in the table), then merges the splits:
-at batch 32 on chip, the query's 4 CTAs running as one cluster that writes o; at batch 1 with a
-second kernel (`merge_plan`).  All of it is in the times.
+(`num_splits` in tilelang_kernels/attention.py; "CTAs/query" in the table), then merges the splits
+with a second kernel (at batch 32 pairs of CTAs first merge theirs on chip, `pair_merged`): all of
+it is in the times.
 
 Variants, each timed with CUDA events (median of batches of back-to-back calls):
   tilelang       `sparse_attn_packed`: gathers the listed rows from the packed bytes ("in a CUDA

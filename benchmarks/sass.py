@@ -75,8 +75,6 @@ def kernels(families: list[str], arch: str):
                                                                           target, split=True)
         yield "attention", "packed_fp8 pair decode H=64 d=512", attention.build(
             "packed_fp8", "bfloat16", 64, 512, 512 ** -0.5, target, split=True, pair=True)
-        yield "attention", "packed_fp8 whole-cluster (4) decode H=64 d=512", attention.build(
-            "packed_fp8", "bfloat16", 64, 512, 512 ** -0.5, target, whole=4)
         yield "attention", "combine H=64 d=512", attention.build("combine", "bfloat16", 64, 512, 0.0, target)
     if "indexer" in families:
         from dsv41c.tilelang_kernels import indexer

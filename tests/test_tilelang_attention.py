@@ -335,14 +335,13 @@ def test_lower_sparse_attn_whole_model(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("split", [False, True, "pair", 4, 8], ids=["direct", "split", "pair", "whole4", "whole8"])
+@pytest.mark.parametrize("split", [False, True, "pair"], ids=["direct", "split", "pair"])
 @pytest.mark.parametrize("kind", [*A.KINDS, "combine"])
 def test_cuda_build_lowers_for_sm90a(kind, split, tmp_path):
-    """Without a GPU: each CUDA build at the released dims (whole-list, split, split merged by
-    clusters of two, and split merged whole by one cluster of 4 or 8; the combine once) lowers for
-    sm_90a (wgmma GEMMs, cp.async gathers; the cluster merges' barriers and distributed shared
-    memory loads, and the whole merge's bf16 stores of o), and where nvcc is found (PATH, or
-    CUDA_HOME/bin) it compiles to a cubin without register spills."""
+    """Without a GPU: each CUDA build at the released dims (whole-list, split, and split merged by
+    clusters of two; the combine once) lowers for sm_90a (wgmma GEMMs, cp.async gathers; the pair
+    merge's cluster barriers and distributed shared memory loads), and where nvcc is found (PATH,
+    or CUDA_HOME/bin) it compiles to a cubin without register spills."""
     import os
     import re
     import shutil
@@ -352,23 +351,17 @@ def test_cuda_build_lowers_for_sm90a(kind, split, tmp_path):
     import tvm
     from tilelang.engine import lower
 
-    if kind == "combine" and split is not False:
+    if kind == "combine" and split:
         pytest.skip("one combine build")
-    whole = split if isinstance(split, int) and not isinstance(split, bool) else 0
     target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
     fn = (A.combine_prim_func(64, 512) if kind == "combine"
-          else A.attention_prim_func(kind, "bfloat16", 64, 512, 512**-0.5, "cuda", split in (True, "pair"),
-                                     split == "pair", whole))
+          else A.attention_prim_func(kind, "bfloat16", 64, 512, 512**-0.5, "cuda", bool(split), split == "pair"))
     with target:
         source = lower(fn, target=target).kernel_source
     if kind != "combine":
         assert "wgmma" in source and "cp_async_gs<16>" in source
     body = source[source.index("__global__ void"):]
-    merged = split == "pair" or whole > 0
-    assert (body.count("dsv41c_cluster_sync();") == 2 and "dsv41c_ld_peer4(" in body) == merged
-    assert (f"dsv41c_cluster_check({whole or 2});" in body) == merged
-    # the partials' arguments for the combine, or o (bf16) and the sink
-    assert bool(re.search(r"float\* (__restrict__ )?OP\b", body)) == (split in (True, "pair") or kind == "combine")
+    assert (body.count("dsv41c_cluster_sync();") == 2 and "dsv41c_ld_peer4(" in body) == (split == "pair")
     cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
     nvcc = shutil.which("nvcc") or (cuda_home and shutil.which("nvcc", path=os.path.join(cuda_home, "bin")))
     if not nvcc:
@@ -406,13 +399,10 @@ def test_num_splits():
     assert A.num_splits(32, 10, 132) == 4  # 3 + 3 + 3 + 1 blocks, 128 CTAs
     assert A.num_splits(20, 10, 132) == 5
     assert A.num_splits(132, 10, 132) == 1 and A.num_splits(192, 4, 132) == 1 and A.num_splits(5, 1, 132) == 1
-    # the on-chip merges, for splits whose CTAs walk at least 2 blocks (b32's 4 x 3, not b1's 10 x 1):
-    # one cluster a query up to 8 CTAs dividing the 64 heads, else pairs for an even split
-    assert A.merge_plan(4, 10) == A.merge_plan(2, 4) == A.merge_plan(8, 16) == "whole"
-    assert A.merge_plan(16, 40) == A.merge_plan(6, 20) == "pair"
-    assert A.merge_plan(10, 10) == A.merge_plan(5, 10) == A.merge_plan(1, 10) == "combine"
-    with pytest.raises(ValueError, match="whole-query cluster"):  # 3 does not divide the 64 heads
-        A.attention_prim_func("packed_fp8", "bfloat16", 64, 512, 512**-0.5, "cuda", whole=3)
+    # the pair merge: an even split whose CTAs walk at least 2 blocks (b32), not b1's 10 x 1, nor
+    # an odd split, nor none
+    assert A.pair_merged(4, 10) and A.pair_merged(2, 4)
+    assert not A.pair_merged(10, 10) and not A.pair_merged(5, 10) and not A.pair_merged(1, 10)
     for sms in (1, 7, 132):
         for ctas in range(1, 2 * sms + 2):
             for blocks in range(1, 41):
@@ -486,39 +476,33 @@ def test_sparse_attn_packed_released_dims_gpu(batch, topk):
     assert torch.equal(plain, out), f"seed {seed}: the plain and packed kernels read the same rows"
 
 
-@pytest.mark.parametrize("batch,whole_max,plan", [(32, 8, "whole"), (32, 0, "pair"), (1, 8, "pair"),
-                                                  (7, 8, "whole"), (20, 8, "combine")],
-                         ids=["b32-whole", "b32-pair", "b1-pair", "b7-whole", "b20-odd"])
+@pytest.mark.parametrize("batch", [32, 1, 7, 20], ids=["b32", "b1", "b7-short", "b20-odd"])
 @pytest.mark.gpu
 @needs_cuda
-def test_cluster_merge_gpu(batch, whole_max, plan, monkeypatch):
-    """The on-chip merges (`merge_plan`): b32's split (4 CTAs of 3, 3, 3, 1 blocks) runs as one
-    cluster of 4 per query that writes o (or, with `_WHOLE_MAX` 0, in clusters of two that merge
-    their partials, half as many for the combine); b1 (10 CTAs of 1 block: pairs) and b7 (4 of 1:
-    whole) do so with `_CLUSTER_MIN_BLOCKS` 1; b20's 5 CTAs (odd, not dividing the heads) take the
-    plain split.  Against the reference, and against the plain split: the whole merge sums the
-    same partials in the combine's order and formula (bit-equal), the pair merge within the same
-    bound (its two levels round the fp32 sums in another order)."""
+def test_pair_merge_gpu(batch, monkeypatch):
+    """The pair merge (`pair_merged`): b32's split (4 CTAs of 3, 3, 3, 1 blocks) runs in clusters of
+    two that merge their partials on chip, half as many for the combine; b1 (10 CTAs of 1 block)
+    and b7 (4 of 1) do so with `_PAIR_MIN_BLOCKS` 1; b20's 5 CTAs (odd) take the plain split.
+    Against the reference, and against the plain split within the same bound (the merge's two
+    levels round the fp32 sums in another order)."""
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     h, d, n_c = 64, 512, 4096
     topk = 72 if batch == 7 else 472 if batch == 20 else 512
     q, ring, ring_scales, codes, cscales, sink, idx = decode_inputs(batch, h, d, n_c, g, topk=topk)
     k, scale = 128 + topk, d**-0.5
-    monkeypatch.setattr(A, "_CLUSTER_MIN_BLOCKS", 1 << 30)
+    monkeypatch.setattr(A, "_PAIR_MIN_BLOCKS", 1 << 30)
     split = A.sparse_attn_packed(q, ring, ring_scales, codes, cscales, sink, idx, scale)
-    monkeypatch.setattr(A, "_CLUSTER_MIN_BLOCKS", 2 if batch == 32 else 1)  # b32: the default
-    monkeypatch.setattr(A, "_WHOLE_MAX", whole_max)
-    assert A.merge_plan(splits_of(batch, 1, h, k), -(-k // A.BLOCK)) == plan, "the intended path"
+    monkeypatch.setattr(A, "_PAIR_MIN_BLOCKS", 2 if batch == 32 else 1)  # b32: the default
+    assert A.pair_merged(splits_of(batch, 1, h, k), -(-k // A.BLOCK)) == (batch != 20), "the intended path"
     out = A.sparse_attn_packed(q, ring, ring_scales, codes, cscales, sink, idx, scale)
     ref = A.sparse_attn_packed_ref(q, ring, ring_scales, codes, cscales, sink, idx, scale)
     rows = decoded_rows(ring, ring_scales, codes, cscales, torch.bfloat16)
     check(out, ref, rows, q, k, scale, seed, empty_first=False)
     check(out, split, rows, q, k, scale, seed, empty_first=False)
     assert batch == 1 or (out[-1] == 0).all(), f"seed {seed}: a query with no valid entry must return 0"
-    if plan != "pair":
-        diff = (out.float() - split.float()).abs().max().item()
-        assert torch.equal(out, split), f"seed {seed}: {plan}: the plain split's output, bit for bit (max diff {diff})"
+    if batch == 20:
+        assert torch.equal(out, split), f"seed {seed}: an odd split is the plain split"
 
 
 @pytest.mark.parametrize("fp8", [True, False], ids=["fp8-ring", "bf16-window"])

@@ -68,17 +68,13 @@ per group walks the whole list and writes o (the reference's rounding of p exact
 blocks per CTA that keep all CTAs in one wave (H200, H=64, K=640: batch 1 -> 10 CTAs of 1 block,
 batch 32 -> 4 CTAs of 3, 3, 3, 1 blocks), each writing its unnormalised acc [H, d], running max and
 sum in fp32; a second kernel merges them: M = max_j m_j, o = sum_j acc_j e^(m_j - M) /
-(sum_j l_j e^(m_j - M) + e^(sink - M)).  Where each CTA walks at least two blocks (`merge_plan`),
-the partials are merged on chip instead, through distributed shared memory, with the same formula:
-  - NS <= 8 (batch 32: 4): the query's NS CTAs run as one thread-block cluster, which merges all NS
-    partials and writes o; nothing goes through global memory and there is no second kernel;
-  - otherwise, for an even NS, CTAs 2p and 2p + 1 run as a cluster of two and merge their two
-    partials into one (half the partials written and read back; the fp32 sums then round in two
-    levels instead of one).
-The merging kernel is launched programmatically: the split kernel triggers at its start, so the
-merge's launch hides under its tail, and the merge waits (griddepcontrol) before it reads any
-partial.  The split depends on the batch, so a sequence's output may differ by the rounding above
-between batch sizes.  The packed builds need d a multiple of 128 (a
+(sum_j l_j e^(m_j - M) + e^(sink - M)).  Where NS is even and each CTA walks at least two blocks
+(`pair_merged`: batch 32), CTAs 2p and 2p + 1 run as a cluster of two and first merge their two
+partials into one the same way, through distributed shared memory (half the partials written and
+read back; the fp32 sums then round in two levels instead of one).  The merging kernel is launched
+programmatically: the split kernel triggers at its start, so the merge's launch hides under its
+tail, and the merge waits (griddepcontrol) before it reads any partial.  The split depends on the batch, so a sequence's output may
+differ by the rounding above between batch sizes.  The packed builds need d a multiple of 128 (a
 window row's scales must fill a 4-byte cp.async).
 """
 
@@ -96,8 +92,8 @@ from dsv41c.tilelang_kernels.quant import (CUDA_E2M1_WORDS, CUDA_PACK_BF16X2, _b
                                             _e8m0_value, _store, compile_for,
                                             define_op, kernel_target, rows_buffer)
 
-__all__ = ["BLOCK", "KINDS", "attention_prim_func", "build", "combine_prim_func", "merge_plan", "num_splits",
-           "packed_head_dim_problem", "sparse_attn", "sparse_attn_packed",
+__all__ = ["BLOCK", "KINDS", "attention_prim_func", "build", "combine_prim_func", "num_splits",
+           "packed_head_dim_problem", "pair_merged", "sparse_attn", "sparse_attn_packed",
            "sparse_attn_packed_ref", "sparse_attn_ref"]
 
 BLOCK = 64  # list entries per online-softmax step (§6.8)
@@ -108,29 +104,23 @@ _NEG_BIG = -1e30
 # CUDA: the fewest blocks a CTA of a split list walks (1: as many CTAs as fill one wave; more trades
 # CTAs for fewer partials to write and merge)
 _MIN_SPLIT_BLOCKS = 1
-# CUDA: a split whose NS CTAs per query each walk at least `_CLUSTER_MIN_BLOCKS` blocks
-# (ceil(blocks / NS)) merges its partials on chip, in thread-block clusters (distributed shared
-# memory, `cluster_merge`, `merge_plan`):
-#   - "whole": NS <= `_WHOLE_MAX` (and dividing the 64 heads): the query's NS CTAs form one
-#     cluster, which merges all NS partials and writes o, with no partials in global memory and
-#     no combine kernel;
-#   - "pair": otherwise, for an even NS, CTAs 2p and 2p + 1 form a cluster of two, which merges
-#     its two partials and writes one: half the fp32 partials written and read back by the combine.
-#     On an H100, 64K: batch 32 (4 CTAs of 3, 3, 3, 1 blocks) 24.0-24.2 us against 24.7-25.3;
-#     batch 1 (10 CTAs of 1 block) 13.4-13.6 against 11.3, where the merge's own cost (the acc
-#     through shared memory, two cluster barriers) outweighs what it saves.
-_CLUSTER_MIN_BLOCKS = 2
-_WHOLE_MAX = 8  # the largest "whole" cluster (8: the portable cluster size; 0: never whole)
-_CLUSTER_PAD = 8  # fp32 padding of a row of the shared accumulator copy: conflict-free 8-byte stores
+# CUDA: a split into an even number NS of CTAs per query, each walking at least `_PAIR_MIN_BLOCKS`
+# blocks (ceil(blocks / NS)), runs them as clusters of two, whose pair merges its two partials on
+# chip (distributed shared memory, `pair_merge`) and writes one: half the fp32 partials written and
+# read back by the combine.  On an H100, 64K: batch 32 (4 CTAs of 3, 3, 3, 1 blocks) 24.0-24.2 us
+# against 24.7-25.3; batch 1 (10 CTAs of 1 block) 13.4-13.6 against 11.3, where the merge's own
+# cost (the acc through shared memory, two cluster barriers) outweighs what it saves.
+_PAIR_MIN_BLOCKS = 2
+_PAIR_PAD = 8  # fp32 padding of a row of the shared accumulator copy: conflict-free 8-byte stores
 
-# The cluster barrier and the loads from another CTA's shared memory (mapa + ld.shared::cluster)
-# of the on-chip merges (`_CLUSTER_MIN_BLOCKS`).
-_CLUSTER_PRELUDE = r"""
-// Trap unless the kernel runs in clusters of c CTAs (a launch without them would read wrong CTAs).
-__device__ __forceinline__ void dsv41c_cluster_check(unsigned c) {
+# The cluster barrier and the loads from the other CTA's shared memory (mapa + ld.shared::cluster)
+# of the pair merge (`_PAIR_MIN_BLOCKS`).
+_PAIR_PRELUDE = r"""
+// Trap unless the kernel runs in clusters of 2 CTAs (a launch without them would read wrong CTAs).
+__device__ __forceinline__ void dsv41c_pair_check() {
   unsigned n;
   asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
-  if (n != c) __trap();
+  if (n != 2u) __trap();
 }
 
 __device__ __forceinline__ void dsv41c_cluster_sync() {
@@ -510,20 +500,16 @@ def _cpu_prim_func(kind, dtype, H, d, scale):
 
 # ------------------------------------------------------------------------------------- CUDA
 
-def _cuda_prim_func(kind, H, d, scale, split, pair=False, whole=0):
+def _cuda_prim_func(kind, H, d, scale, split, pair=False):
     """bf16 only (module docstring): CTAs of 256 threads, each HB heads of one query token.
     split False: grid (S, B, HG), a CTA walks the whole list and writes o.  split True: grid
     (NS, S, B*HG), CTA j walks the j-th run of ceil(blocks / NS) blocks and writes its partial
-    (acc, running max, sum) for `_combine_prim_func`.  pair (`merge_plan`): grid (2 NP, S, B*HG) in
-    clusters of two, NP partials, each the on-chip merge of CTAs 2p and 2p + 1's.  whole = NS > 1
-    (`merge_plan`): grid (NS, S, B*HG) in clusters of NS, which merge the query's partials on chip
-    and write o (the arguments of split False)."""
+    (acc, running max, sum) for `_combine_prim_func`.  pair (`pair_merged`): grid (2 NP, S, B*HG) in
+    clusters of two, NP partials, each the on-chip merge of CTAs 2p and 2p + 1's."""
     D = _dims()
     B, S, K, N, NC, NP = D["B"], D["S"], D["K"], D["N"], D["NC"], T.dynamic("NS")
-    # the CTAs (runs of the list) of a query; NP: its partials
-    NS = whole if whole else 2 * NP if pair else NP
-    assert (split or not pair) and not (whole and split)
-    runs = split or whole > 0  # the CTA walks run bj of the list
+    NS = 2 * NP if pair else NP  # the CTAs (runs of the list) of a query; NP: its partials
+    assert split or not pair
     HB, threads = _CUDA_HEADS, _CUDA_THREADS
     HG = -(-H // HB)
     assert threads == 2 * 128 and HB == 64, "_SOFTMAX_PRELUDE's layout: two warpgroups, one wgmma M"
@@ -730,25 +716,20 @@ def _cuda_prim_func(kind, H, d, scale, split, pair=False, whole=0):
             nxt[0] = R["IDX"][bb, bs, blk * BLOCK + tx]
 
     @T.macro
-    def cluster_merge(R, acc, mrun, den, head, bj, bs, bb, bh, tx):
-        """The partials of the cluster's C CTAs merged on chip (C = 2: a pair, writing partial
-        bj // 2; C = NS: the whole query, writing o): each CTA leaves its acc (rows padded), running
-        max and sum in its shared memory; after a cluster barrier CTA rank r = bj % C merges heads
-        (HB / C) r .. (HB / C)(r + 1) - 1 of all C, reading them through distributed shared memory,
-        m = max_j m_j, w_j = e^(m_j - m), acc = sum_j acc_j w_j, l = sum_j l_j w_j (j = 0 .. C-1 in
-        order, as the combine kernel sums them), and the whole query o = acc / (l + e^(sink - m));
-        a second barrier keeps each CTA's shared memory alive until the others are done."""
-        C = whole if whole else 2
-        rows, G = HB // C, 8 // C  # heads a CTA merges; items whose loads go out together
-        Xs = T.alloc_shared((HB, d + _CLUSTER_PAD), f32)  # (the planner places it over the dead tiles)
+    def pair_merge(R, acc, mrun, den, head, bj, bs, bb, bh, tx):
+        """The pair's two partials merged and written as partial bj // 2: each CTA leaves its acc
+        (rows padded), running max and sum in its shared memory; after a cluster barrier CTA rank
+        r = bj % 2 merges heads 32 r .. 32 r + 31 of both, reading the other's through distributed
+        shared memory, m = max(m_0, m_1), acc = acc_0 e^(m_0 - m) + acc_1 e^(m_1 - m), the same for
+        the sum; a second barrier keeps each CTA's shared memory alive until the other is done."""
+        rows, G = HB // 2, 4  # heads a CTA merges; items whose loads go out together
+        Xs = T.alloc_shared((HB, d + _PAIR_PAD), f32)  # (the planner places it over the dead tiles)
         Ms = T.alloc_shared((HB,), f32)
         Ls = T.alloc_shared((HB,), f32)
-        ml = T.alloc_local((G, 2 * C), f32)  # an item's m_0 .. m_C-1, l_0 .. l_C-1
-        xs = T.alloc_local((G, C, 4), f32)  # its 4 columns of acc_0 .. acc_C-1
-        ov = T.alloc_local((4,), bf) if whole else None
+        ml = T.alloc_local((G, 4), f32)  # an item's m_0, m_1, l_0, l_1
+        xs = T.alloc_local((G, 2, 4), f32)  # its 4 columns of acc_0 and acc_1
         mx = T.alloc_var(f32)
-        dn = T.alloc_var(f32) if whole else None
-        T.call_extern("handle", "dsv41c_cluster_check", C)
+        T.call_extern("handle", "dsv41c_pair_check")
         T.sync_threads()  # every warpgroup's last GEMM is done with the tiles Xs may cover
         if tx % 4 == 0 and tx < 128:
             for k in [0, 1]:  # (a list: unrolled at trace time)
@@ -759,37 +740,26 @@ def _cuda_prim_func(kind, H, d, scale, split, pair=False, whole=0):
         T.call_extern("handle", "dsv41c_cluster_sync")
         for g in T.serial(rows * d // 4 // threads // G):
             for k in T.unroll(G):  # the group's loads first: in flight together
-                h = bj % C * rows + ((g * G + k) * threads + tx) // (d // 4)
+                h = bj % 2 * rows + ((g * G + k) * threads + tx) // (d // 4)
                 c = ((g * G + k) * threads + tx) % (d // 4) * 4
-                for j in T.unroll(C):  # ranks 0 .. C-1
+                for j in T.unroll(2):  # ranks 0, 1
                     ml[k, j] = T.call_extern(f32, "dsv41c_ld_peer", T.address_of(Ms[h]), j)
-                    ml[k, C + j] = T.call_extern(f32, "dsv41c_ld_peer", T.address_of(Ls[h]), j)
+                    ml[k, 2 + j] = T.call_extern(f32, "dsv41c_ld_peer", T.address_of(Ls[h]), j)
                     T.call_extern("handle", "dsv41c_ld_peer4", T.address_of(xs[k, j, 0]), T.address_of(Xs[h, c]), j)
             for k in T.unroll(G):
-                h = bj % C * rows + ((g * G + k) * threads + tx) // (d // 4)
+                h = bj % 2 * rows + ((g * G + k) * threads + tx) // (d // 4)
                 c = ((g * G + k) * threads + tx) % (d // 4) * 4
-                mx = ml[k, 0]
-                for j in list(range(1, C)):  # (lists: unrolled at trace time)
-                    mx = T.max(mx, ml[k, j])
-                for j in list(range(C)):
-                    ml[k, j] = T.exp(ml[k, j] - mx)
+                mx = T.max(ml[k, 0], ml[k, 1])
+                ml[k, 0] = T.exp(ml[k, 0] - mx)
+                ml[k, 1] = T.exp(ml[k, 1] - mx)
                 for v in T.unroll(4):
-                    xs[k, 0, v] = functools.reduce(lambda e, j: e + xs[k, j, v] * ml[k, j], range(1, C),
-                                                   xs[k, 0, v] * ml[k, 0])
-                lsum = functools.reduce(lambda e, j: e + ml[k, C + j] * ml[k, j], range(1, C), ml[k, C] * ml[k, 0])
+                    xs[k, 0, v] = xs[k, 0, v] * ml[k, 0] + xs[k, 1, v] * ml[k, 1]
                 if bh * HB + h < H:
-                    if whole:
-                        dn = lsum + T.exp(R["SINK"][bh * HB + h] - mx)
-                        for v in T.unroll(4):
-                            ov[v] = T.Cast(bf, xs[k, 0, v] / dn)
-                        for v in T.vectorized(4):
-                            R["O"][bb, bs, bh * HB + h, c + v] = ov[v]
-                    else:
-                        for v in T.vectorized(4):
-                            R["OP"][bb, bs, bj // 2, bh * HB + h, c + v] = xs[k, 0, v]
-                        if c == 0:
-                            R["MP"][bb, bs, bj // 2, bh * HB + h] = mx
-                            R["LP"][bb, bs, bj // 2, bh * HB + h] = lsum
+                    for v in T.vectorized(4):
+                        R["OP"][bb, bs, bj // 2, bh * HB + h, c + v] = xs[k, 0, v]
+                    if c == 0:
+                        R["MP"][bb, bs, bj // 2, bh * HB + h] = mx
+                        R["LP"][bb, bs, bj // 2, bh * HB + h] = ml[k, 2] * ml[k, 0] + ml[k, 3] * ml[k, 1]
         T.call_extern("handle", "dsv41c_cluster_sync")
 
     @T.macro
@@ -820,8 +790,8 @@ def _cuda_prim_func(kind, H, d, scale, split, pair=False, whole=0):
         # redone in the loop, there a 64-bit one (a subroutine call) inside the list-entry index
         blk0 = T.alloc_var("int32")
         nb = T.alloc_var("int32")
-        blk0 = bj * T.ceildiv(T.ceildiv(K, BLOCK), NS) if runs else 0
-        nb = T.max(T.min(T.ceildiv(T.ceildiv(K, BLOCK), NS), T.ceildiv(K, BLOCK) - blk0), 0) if runs \
+        blk0 = bj * T.ceildiv(T.ceildiv(K, BLOCK), NS) if split else 0
+        nb = T.max(T.min(T.ceildiv(T.ceildiv(K, BLOCK), NS), T.ceildiv(K, BLOCK) - blk0), 0) if split \
             else T.ceildiv(K, BLOCK)
         if tx < BLOCK:
             next_row(R, nxt, bb, bs, blk0, tx)
@@ -862,8 +832,8 @@ def _cuda_prim_func(kind, H, d, scale, split, pair=False, whole=0):
         T.call_extern("handle", "dsv41c_row_total", T.address_of(den[0]), T.address_of(xch[0]))
         rows = [0, 1]  # the thread's rows: head[k] (a list: unrolled at trace time)
         head = [16 * (tx % 128 // 32) + tx % 32 // 4 + 8 * k for k in rows]
-        if pair or whole:
-            cluster_merge(R, acc, mrun, den, head, bj, bs, bb, bh, tx)
+        if pair:
+            pair_merge(R, acc, mrun, den, head, bj, bs, bb, bh, tx)
         elif split:  # unnormalised: the combine rescales every split to the final max
             if tx % 4 == 0 and tx < 128:  # one thread of each row's eight stores its max and sum
                 for k in rows:
@@ -900,12 +870,8 @@ def _cuda_prim_func(kind, H, d, scale, split, pair=False, whole=0):
 
     @T.macro
     def run(R):
-        if whole:  # no partials, no combine: nothing to trigger
-            with T.Kernel(NS, S, B * HG, threads=threads, prelude=prelude + _CLUSTER_PRELUDE,
-                          cluster_dims=(whole, 1, 1)) as (bj, bs, bz):
-                attend(R, bj, bs, bz // HG, bz % HG)
-        elif pair:
-            with T.Kernel(NS, S, B * HG, threads=threads, prelude=prelude + _CLUSTER_PRELUDE,
+        if pair:
+            with T.Kernel(NS, S, B * HG, threads=threads, prelude=prelude + _PAIR_PRELUDE,
                           cluster_dims=(2, 1, 1)) as (bj, bs, bz):
                 TCU.pdl_trigger()
                 attend(R, bj, bs, bz // HG, bz % HG)
@@ -1013,21 +979,16 @@ def _combine_prim_func(H, d):
 # ------------------------------------------------------------------------------------- builds
 
 def attention_prim_func(kind: str, dtype: str, H: int, d: int, scale: float, target: str, split: bool = False,
-                        pair: bool = False, whole: int = 0):
+                        pair: bool = False):
     """The prim_func of one op variant: kind in KINDS, dtype "float32"/"bfloat16", target "c"/"cuda";
-    CUDA only: split, the kernel writing one split's partials, merged by `combine_prim_func` (pair:
-    merged in pairs first); whole = NS, the split into NS CTAs merged on chip, writing o
-    (`merge_plan`)."""
+    split (CUDA only): the kernel writing one split's partials, merged by `combine_prim_func`."""
     if kind not in KINDS or dtype not in ("float32", "bfloat16") or H < 1 or d < 1:
         raise ValueError(f"sparse_attn kernels: unknown kind/dtype/shape {kind!r}/{dtype!r}/H={H}/d={d}")
-    if whole and (split or whole < 2 or whole > 8 or _CUDA_HEADS % whole):
-        raise ValueError(f"sparse_attn kernels: a whole-query cluster needs 2 <= NS <= 8 dividing "
-                         f"{_CUDA_HEADS} and no split partials, got NS={whole}, split={split}")
     if target == "c":
-        if split or whole:
+        if split:
             raise ValueError("sparse_attn kernels: the C build has no split variant")
         return _cpu_prim_func(kind, dtype, H, d, scale)
-    return _cuda_prim_func(kind, H, d, scale, split, pair, whole)
+    return _cuda_prim_func(kind, H, d, scale, split, pair)
 
 
 def combine_prim_func(H: int, d: int):
@@ -1037,12 +998,12 @@ def combine_prim_func(H: int, d: int):
 
 @functools.lru_cache(maxsize=None)
 def build(kind: str, dtype: str, H: int, d: int, scale: float, target: str, split: bool = False,
-          pair: bool = False, whole: int = 0):
+          pair: bool = False):
     """Compiled kernel, once per process per key; target "c" (CPU) or "cuda[:sm_XX]"; kind "combine"
     is the merge of a split call (dtype and scale unused)."""
     if kind == "combine":
         return compile_for(combine_prim_func(H, d), target)
-    fn = attention_prim_func(kind, dtype, H, d, scale, "c" if target == "c" else "cuda", split, pair, whole)
+    fn = attention_prim_func(kind, dtype, H, d, scale, "c" if target == "c" else "cuda", split, pair)
     return compile_for(fn, target)
 
 
@@ -1057,16 +1018,10 @@ def num_splits(ctas: int, blocks: int, sms: int) -> int:
     return -(-blocks // max(per_cta, _MIN_SPLIT_BLOCKS))
 
 
-def merge_plan(ns: int, blocks: int) -> str:
-    """How a split into ns > 1 CTAs per query over lists of `blocks` blocks merges its partials
-    (`_CLUSTER_MIN_BLOCKS`): "whole" (one cluster of ns CTAs writes o), "pair" (clusters of two
-    write ns / 2 partials for the combine) or "combine" (ns partials for the combine)."""
-    if ns > 1 and -(-blocks // ns) >= _CLUSTER_MIN_BLOCKS:
-        if ns <= _WHOLE_MAX and _CUDA_HEADS % ns == 0:
-            return "whole"
-        if ns % 2 == 0:
-            return "pair"
-    return "combine"
+def pair_merged(ns: int, blocks: int) -> bool:
+    """Whether a split into ns CTAs per query over lists of `blocks` blocks merges its partials in
+    clusters of two (`_PAIR_MIN_BLOCKS`)."""
+    return ns > 1 and ns % 2 == 0 and -(-blocks // ns) >= _PAIR_MIN_BLOCKS
 
 
 @functools.cache
@@ -1126,11 +1081,10 @@ def _run(kind, q, srcs, sink, idx, scale):
     ns, blocks = 1, -(-idx.shape[-1] // BLOCK)
     if target != "c":
         ns = num_splits(b * s * -(-h // _CUDA_HEADS), blocks, _sm_count(q.device.index))
-    plan = "direct" if ns == 1 else merge_plan(ns, blocks)
-    if plan in ("direct", "whole"):  # one kernel writes o
-        build(*kernel_key, whole=ns if plan == "whole" else 0)(qa, *srcs, sink, idx, _arg(out, target), nv)
+    if ns == 1:
+        build(*kernel_key)(qa, *srcs, sink, idx, _arg(out, target), nv)
         return out
-    pair = plan == "pair"
+    pair = pair_merged(ns, blocks)
     npart = ns // 2 if pair else ns
     acc = q.new_empty((b, s, npart, h, d), dtype=torch.float32)
     m, l = (q.new_empty((b, s, npart, h), dtype=torch.float32) for _ in range(2))
