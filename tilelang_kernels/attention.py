@@ -74,8 +74,8 @@ sum in fp32; a second kernel merges them: M = max_j m_j, o = sum_j acc_j e^(m_j 
 partials into one the same way, through distributed shared memory (half the partials written and
 read back; the fp32 sums then round in two levels instead of one).  The merging kernel is launched
 programmatically: the split kernel triggers at its start, so the merge's launch hides under its
-tail, and the merge waits (griddepcontrol) before it reads any partial.  The split depends on the batch, so a sequence's output may
-differ by the rounding above between batch sizes.  The packed builds need d a multiple of 128 (a
+tail, and the merge waits (griddepcontrol) before it reads any partial.  The split depends on the
+batch, so a sequence's output may differ by the rounding above between batch sizes.  The packed builds need d a multiple of 128 (a
 window row's scales must fill a 4-byte cp.async).
 """
 
@@ -875,13 +875,9 @@ def _cuda_prim_func(kind, H, d, scale, split, pair=False):
 
     @T.macro
     def run(R):
-        if pair:
-            with T.Kernel(NS, S, B * HG, threads=threads, prelude=prelude + _PAIR_PRELUDE,
-                          cluster_dims=(2, 1, 1)) as (bj, bs, bz):
-                TCU.pdl_trigger()
-                attend(R, bj, bs, bz // HG, bz % HG)
-        elif split:
-            with T.Kernel(NS, S, B * HG, threads=threads, prelude=prelude) as (bj, bs, bz):
+        if split:  # (pair: in clusters of two, with the merge's prelude)
+            with T.Kernel(NS, S, B * HG, threads=threads, prelude=prelude + (_PAIR_PRELUDE if pair else ""),
+                          **({"cluster_dims": (2, 1, 1)} if pair else {})) as (bj, bs, bz):
                 TCU.pdl_trigger()  # the combine kernel may launch once every CTA of this one has started
                 attend(R, bj, bs, bz // HG, bz % HG)
         else:
