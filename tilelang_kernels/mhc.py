@@ -70,10 +70,14 @@ CUDA (sm_90a: wgmma needs the arch-specific target).
      likely, each CTA's serial chain per chunk (wait, compute, barriers, GEMM) limits it.  (Loading
      straight into registers with no overlap inside a CTA, 3 CTAs per SM, measured 36% / 51% of
      the bound at T = 4096 / 65536 on an H200 against this one's 41% / 47%: BENCHMARKS.md.)
-  2. `finalize`: 16 lanes per token (m = 4), one comb entry each: each lane sums its coefficient's
-     K partials in fixed order (lanes 0..2m-1 also pre/post, lane 2m the sum of squares), then
-     rsqrt and sigmoids, and the Sinkhorn of §5.2 with the row and column sums as xor-shuffle
-     butterflies over the lane bits of j and of i.  Deterministic: no atomics.  Launched
+  2. `finalize`: 4 lanes per token (m = 4), one row of comb each, with pre and post of that index:
+     each lane sums its coefficients' K partials in fixed order (and the sum of squares), then
+     rsqrt and sigmoids, and the Sinkhorn of §5.2 with a row's sums in the lane and a column's as
+     an xor-shuffle butterfly over the token's lanes; the quotients by one sum share one
+     reciprocal, refined as div.rn's fast path refines it, so they are the IEEE quotients.
+     (16 lanes per token, one comb entry each, every sum a butterfly and every quotient a
+     division, gave bit-identical results with 2.3x the instructions; timed 3-5% slower at
+     T = 1 and the same from 4096 tokens on, BENCHMARKS.md.)  Deterministic: no atomics.  Launched
      programmatically: the mixing kernel triggers at its start, so the finalize's launch overlaps
      its tail, and the finalize waits (griddepcontrol) before it reads the workspace.  After the
      column-resident kernel its K = D / 256 is fixed at build, so the K loops unroll.  (One thread per
@@ -1301,11 +1305,37 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
     return names, _prim_func(names, S, body).with_attr(NO_SYNC_ATTR, 1)
 
 
+# CUDA, the finalize's quotients by one divisor (a row's or a column's sum + eps) through one shared
+# reciprocal.  dsv41c_rcp and dsv41c_div are the instructions of div.rn's fast path as nvcc emits it
+# for sm_90 (MUFU.RCP, two FFMA refine the reciprocal, then per quotient a product and one FFMA
+# correction), so each quotient is the IEEE one wherever that path is taken: a normal divisor and a
+# quotient that neither overflows nor falls below the normal range (the Sinkhorn's divisors are
+# >= hc_eps, its entries in (hc_eps, 1 + hc_eps]); a NaN propagates.
+_DIV_PRELUDE = r"""
+__device__ __forceinline__ float dsv41c_rcp(float d) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
+  return __fmaf_rn(r, __fmaf_rn(-d, r, 1.0f), r);
+}
+__device__ __forceinline__ float dsv41c_div(float c, float d, float r) {
+  float q = __fmul_rn(c, r);
+  return __fmaf_rn(r, __fmaf_rn(-d, q, c), q);
+}
+"""
+
+
+def _tree_sum(vals):
+    """Pairwise sum in the order of an xor butterfly over len(vals) (a power of two) lanes."""
+    while len(vals) > 1:
+        vals = [vals[k] + vals[k + 1] for k in range(0, len(vals), 2)]
+    return vals[0]
+
+
 def _cuda_finalize_prim_func(m, D, norm_eps, hc_eps, iters, splits=None):
-    """A group of G lanes per token (module docstring, CUDA step 2): lane l = i * mp + j holds
-    comb entry (i, j) (mp = m rounded up to a power of two; lanes with i or j >= m hold 0), so a
-    row sum is a butterfly over the j bits of the lane and a column sum over the i bits; lanes
-    0 .. 2m-1 also hold pre and post, lane 2m the sum of squares."""
+    """mp lanes per token (module docstring, CUDA step 2; mp = m rounded up to a power of two):
+    lane i holds row i of comb (lanes i >= m hold zeros), pre[i] and post[i], and sums the sum of
+    squares itself.  A row's sums are a pairwise tree in the lane, a column's an xor butterfly over
+    the token's lanes; the quotients by one sum share its reciprocal (`_DIV_PRELUDE`)."""
     names = _PARAMS["finalize", "main"]
     fixed = splits is not None
     splits = splits if fixed else T.dynamic("K")
@@ -1313,64 +1343,80 @@ def _cuda_finalize_prim_func(m, D, norm_eps, hc_eps, iters, splits=None):
     ks = functools.partial(T.unroll, 1, splits) if fixed else functools.partial(T.serial, 1, splits)
     mix = 2 * m + m * m
     mp = 1 << (m - 1).bit_length()
-    G = max(mp * mp, 1 << (2 * m).bit_length())  # lanes per token: the comb entries and 2m + 1
-    rows = [1 << b for b in range(mp.bit_length() - 1)]  # xor offsets over j (within a row)
-    cols = [mp << b for b in range(mp.bit_length() - 1)]  # over i (within a column)
+    lanes = [1 << b for b in range(mp.bit_length() - 1)]  # xor offsets over the token's lanes (i)
+    cols = list(range(m))  # (a list: unrolled at trace time)
     threads = 128
     eps = _f32_const(hc_eps)
 
+    def zero_padded(c):
+        return [c[j] for j in cols] + [T.float32(0)] * (mp - m)
+
     @T.macro
     def body(B):
-        with T.Kernel(T.ceildiv(N * G, threads), threads=threads) as bx:
+        with T.Kernel(T.ceildiv(N * mp, threads), threads=threads, prelude=_DIV_PRELUDE) as bx:
             tx = T.get_thread_binding()
             TCU.pdl_sync()  # launched early (programmatic launch): wait for the mixing kernel's workspace
-            t = bx * (threads // G) + tx // G
-            ln = tx % G
-            i, j = ln // mp, ln % mp
-            ok = T.And(i < m, j < m)
-            a = T.alloc_var("float32")  # comb's dot product (entry i, j)
-            b = T.alloc_var("float32")  # pre/post's dot product (lanes < 2m), the sum of squares (2m)
-            c = T.alloc_var("float32")
+            t = bx * (threads // mp) + tx // mp
+            i = tx % mp
+            c = T.alloc_local((m,), "float32")  # row i of comb
+            d = T.alloc_local((m,), "float32")  # a sum + eps per column, then its reciprocal
+            v = T.alloc_local((3,), "float32")  # pre[i], post[i], the sum of squares
             r = T.alloc_var("float32")
             s = T.alloc_var("float32")
-            q = T.alloc_var("int32")  # the coefficient in b: pre/post 0..2m-1, the sum of squares (mix)
-            a = T.float32(0)
-            b = T.float32(0)
-            q = T.if_then_else(ln < 2 * m, ln, mix)
-            # the K partial sums in order, each lane its own coefficients (every lane runs the
-            # shuffles below, also past N: their values are never stored)
+            for j in cols:
+                c[j] = T.float32(0)
+            for u in [0, 1, 2]:
+                v[u] = T.float32(0)
+            # the K partial sums in order (every lane runs the shuffles below, also past N: their
+            # values are never stored)
             if t < N:
-                if ok:
-                    a = B["WS"][0, t, 2 * m + i * m + j]
+                v[2] = B["WS"][0, t, mix]
+                for k in ks():
+                    v[2] = v[2] + B["WS"][k, t, mix]
+                if i < m:
+                    for j in cols:
+                        c[j] = B["WS"][0, t, 2 * m + i * m + j]
+                    v[0] = B["WS"][0, t, i]
+                    v[1] = B["WS"][0, t, m + i]
                     for k in ks():
-                        a = a + B["WS"][k, t, 2 * m + i * m + j]
-                if ln <= 2 * m:
-                    b = B["WS"][0, t, q]
-                    for k in ks():
-                        b = b + B["WS"][k, t, q]
-            r = T.float32(1) / T.sqrt(T.shfl_sync(b, 2 * m, G) / T.float32(m * D) + _f32_const(norm_eps))
-            if t < N:
-                if ln < m:
-                    B["PRE"][t, ln] = T.sigmoid(b * r * B["SC"][0] + B["BASE"][ln]) + eps
-                elif ln < 2 * m:
-                    B["POST"][t, ln - m] = T.float32(2) * T.sigmoid(b * r * B["SC"][1] + B["BASE"][ln])
-            # row softmax (lanes outside the matrix: -3e38 for the max, 0 after it), then + eps
-            a = a * r * B["SC"][2] + B["BASE"][T.if_then_else(ok, 2 * m + i * m + j, 0)]
-            c = T.if_then_else(ok, a, -_f32_const(3.0e38))
-            for o in rows:
-                c = T.max(c, T.shfl_xor(c, o))
-            a = T.if_then_else(ok, T.exp(a - c), T.float32(0))
-            s = a
-            for o in rows:
-                s = s + T.shfl_xor(s, o)
-            c = T.if_then_else(ok, a / s + eps, T.float32(0))
+                        for j in cols:
+                            c[j] = c[j] + B["WS"][k, t, 2 * m + i * m + j]
+                        v[0] = v[0] + B["WS"][k, t, i]
+                        v[1] = v[1] + B["WS"][k, t, m + i]
+            r = T.float32(1) / T.sqrt(v[2] / T.float32(m * D) + _f32_const(norm_eps))
+            if T.And(t < N, i < m):
+                B["PRE"][t, i] = T.sigmoid(v[0] * r * B["SC"][0] + B["BASE"][i]) + eps
+                B["POST"][t, i] = T.float32(2) * T.sigmoid(v[1] * r * B["SC"][1] + B["BASE"][m + i])
+            # row softmax, then + eps (lanes past the matrix: zeros throughout)
+            if i < m:
+                for j in cols:
+                    c[j] = c[j] * r * B["SC"][2] + B["BASE"][2 * m + i * m + j]
+                s = c[0]
+                for j in cols[1:]:
+                    s = T.max(s, c[j])
+                for j in cols:
+                    c[j] = T.exp(c[j] - s)
+                s = _tree_sum(zero_padded(c))
+                r = T.call_extern("float32", "dsv41c_rcp", s)
+                for j in cols:
+                    c[j] = T.call_extern("float32", "dsv41c_div", c[j], s, r) + eps
             # column, then (row, column) x (iters - 1): c /= (its column's or row's sum + eps)
-            for it in T.serial(2 * iters - 1):
-                s = c
-                for o in cols:
-                    s = s + T.shfl_xor(s, T.if_then_else(it % 2 == 0, o, o // mp))
-                c = c / (s + eps)
-            if t < N and ok:
-                B["COMB"][t, i, j] = c
+            for it in T.serial(iters):
+                if it > 0:
+                    s = _tree_sum(zero_padded(c)) + eps
+                    r = T.call_extern("float32", "dsv41c_rcp", s)
+                    for j in cols:
+                        c[j] = T.call_extern("float32", "dsv41c_div", c[j], s, r)
+                for j in cols:
+                    d[j] = c[j]
+                    for o in lanes:
+                        d[j] = d[j] + T.shfl_xor(d[j], o)
+                    d[j] = d[j] + eps
+                for j in cols:
+                    c[j] = T.call_extern("float32", "dsv41c_div", c[j], d[j],
+                                         T.call_extern("float32", "dsv41c_rcp", d[j]))
+            if T.And(t < N, i < m):
+                for j in cols:
+                    B["COMB"][t, i, j] = c[j]
 
     return names, _prim_func(names, S, body)
