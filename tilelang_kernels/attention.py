@@ -113,9 +113,6 @@ _MIN_SPLIT_BLOCKS = 1
 # cost (the acc through shared memory, two cluster barriers) outweighs what it saves.
 _PAIR_MIN_BLOCKS = 2
 _PAIR_PAD = 8  # fp32 padding of a row of the shared accumulator copy: conflict-free 8-byte stores
-# CUDA, packed rows: 1 = block i+1's first group of items (`_DECODE_GROUP`) is decoded into registers
-# while block i's second GEMM runs (issued without a wait), and stored once it is done
-_EARLY_DECODE = 0
 
 # The cluster barrier and the loads from the other CTA's shared memory (mapa + ld.shared::cluster)
 # of the pair merge (`_PAIR_MIN_BLOCKS`).
@@ -662,75 +659,29 @@ def _cuda_prim_func(kind, H, d, scale, split, pair=False):
                 KVs[r, c0 + j] = vl[j]
 
     @T.macro
-    def load_group(row_kind, g, stage, stage_s, cbs, scs, tx):
-        """Group g's UG items' codes and scale bytes from the stage into cbs, scs."""
+    def decode_uniform(row_kind, stage, stage_s, KVs, cbs, scs, vl, tx):
+        """decode_items for a block of one row kind ("window" in the FP8 format, or "comp"): each
+        group of UG items' codes and scale bytes loaded before any is decoded (`_DECODE_GROUP`)."""
         nb8 = vec if row_kind == "window" else vec // 2  # code bytes an item
-        for k in T.unroll(UG):
-            r = ((g * UG + k) * threads + tx) // per_row
-            c0 = ((g * UG + k) * threads + tx) % per_row * vec
-            if row_kind == "window":
-                for j in T.vectorized(nb8):
-                    cbs[k, j] = stage[r, c0 + j]
-                scs[k] = T.Cast("uint32", stage_s[r, c0 // 32])
-            else:
-                if kind == "packed_fp8":
+        for g in T.unroll(items // UG):
+            for k in T.unroll(UG):
+                r = ((g * UG + k) * threads + tx) // per_row
+                c0 = ((g * UG + k) * threads + tx) % per_row * vec
+                if row_kind == "window":
                     for j in T.vectorized(nb8):
-                        cbs[k, j] = stage[r, c0 // 2 + j]
-                else:  # (the stage of bf16 window rows: the codes are its elements' bytes)
-                    for j in T.unroll(nb8):
-                        cbs[k, j] = T.Cast("uint8", T.reinterpret(stage[r, c0 // 4 + j // 2], "uint16")
-                                           >> T.uint16(8 * (j % 2)))
-                scs[k] = T.Cast("uint32", stage_s[r, c0 // 16])
-
-    def row8_fn(row_kind):
-        return "dsv41c_fp8_row8" if row_kind == "window" else "dsv41c_fp4_row8"
-
-    @T.macro
-    def decode_uniform(row_kind, stage, stage_s, KVs, cbs, scs, vl, tx, g0=0):
-        """decode_items for a block of one row kind ("window" in the FP8 format, or "comp"), groups
-        g0..: each group of UG items' codes and scale bytes loaded before any is decoded
-        (`_DECODE_GROUP`)."""
-        for g in T.unroll(g0, items // UG):
-            load_group(row_kind, g, stage, stage_s, cbs, scs, tx)
-            decode_group(row8_fn(row_kind), g, KVs, cbs, scs, vl, tx)
-
-    @T.macro
-    def decode_early(stage, stage_s, kindS, buf, cbs, scs, held):
-        """Block buf's group 0 decoded into held (registers), if the block is of one row kind; its
-        tile may still be read by the GEMMs in flight (`_EARLY_DECODE`)."""
-        tx = T.get_thread_binding()
-        if one_kind(kindS, buf, 1):
-            load_group("comp", 0, stage, stage_s, cbs, scs, tx)
-            for k in T.unroll(UG):
-                T.call_extern("handle", row8_fn("comp"), T.address_of(cbs[k, 0]), scs[k], T.address_of(held[k, 0]))
-        elif kind == "packed_fp8" and one_kind(kindS, buf, 2):
-            load_group("window", 0, stage, stage_s, cbs, scs, tx)
-            for k in T.unroll(UG):
-                T.call_extern("handle", row8_fn("window"), T.address_of(cbs[k, 0]), scs[k],
-                              T.address_of(held[k, 0]))
-
-    @T.macro
-    def store_held(KVs, held, tx):
-        """held (group 0's items) into their places in KVs."""
-        for k in T.unroll(UG):
-            r = (k * threads + tx) // per_row
-            c0 = (k * threads + tx) % per_row * vec
-            for j in T.vectorized(vec):
-                KVs[r, c0 + j] = held[k, j]
-
-    @T.macro
-    def decode_late(stage, stage_s, rowS, kindS, buf, KVs, cb, cbs, scs, vl, held):
-        """The rest of decode once the tile is free: a block of one row kind stores held and decodes
-        its other groups, any other block is decoded whole."""
-        tx = T.get_thread_binding()
-        if one_kind(kindS, buf, 1):
-            store_held(KVs, held, tx)
-            decode_uniform("comp", stage, stage_s, KVs, cbs, scs, vl, tx, 1)
-        elif kind == "packed_fp8" and one_kind(kindS, buf, 2):
-            store_held(KVs, held, tx)
-            decode_uniform("window", stage, stage_s, KVs, cbs, scs, vl, tx, 1)
-        else:
-            decode_items(None, rowS, buf, stage, stage_s, KVs, cb, vl, tx)
+                        cbs[k, j] = stage[r, c0 + j]
+                    scs[k] = T.Cast("uint32", stage_s[r, c0 // 32])
+                else:
+                    if kind == "packed_fp8":
+                        for j in T.vectorized(nb8):
+                            cbs[k, j] = stage[r, c0 // 2 + j]
+                    else:  # (the stage of bf16 window rows: the codes are its elements' bytes)
+                        for j in T.unroll(nb8):
+                            cbs[k, j] = T.Cast("uint8", T.reinterpret(stage[r, c0 // 4 + j // 2], "uint16")
+                                               >> T.uint16(8 * (j % 2)))
+                    scs[k] = T.Cast("uint32", stage_s[r, c0 // 16])
+            fn = "dsv41c_fp8_row8" if row_kind == "window" else "dsv41c_fp4_row8"
+            decode_group(fn, g, KVs, cbs, scs, vl, tx)
 
     @T.macro
     def decode(stage, stage_s, rowS, kindS, buf, KVs, cb, cbs, scs, vl, tx):
@@ -835,8 +786,6 @@ def _cuda_prim_func(kind, H, d, scale, split, pair=False):
         cbs = T.alloc_local((UG, vec), "uint8") if uni else None  # a group's codes and scale bytes
         scs = T.alloc_local((UG,), "uint32") if uni else None
         vl = T.alloc_local((vec,), bf)
-        early = _EARLY_DECODE and uni
-        held = T.alloc_local((UG, vec), bf) if early else None  # the next block's group 0, decoded
         nxt = T.alloc_local((1,), "int32")
         # the run's first block and length, made once: as expressions, the division by NS was
         # redone in the loop, there a 64-bit one (a subroutine call) inside the list-entry index
@@ -867,51 +816,23 @@ def _cuda_prim_func(kind, H, d, scale, split, pair=False):
         T.fill(acc, 0)
         T.fill(den, 0)
         T.fill(mrun, _f32_const(_NEG_BIG))
-        if not early:
-            for i in T.serial(nb):
-                T.ptx_wait_group(0)
-                T.sync_threads()  # block i staged (every thread's copies); the previous GEMMs done with KVs
-                decode(stage, stage_s, rowS, kindS, i % 2, KVs, cb, cbs, scs, vl, tx)
-                if tx < BLOCK:  # rowS[(i+1) % 2] was last read by block i-1's masks
-                    set_row(R, rowS, kindS, (i + 1) % 2, nxt[0], tx)
-                    next_row(R, nxt, bb, bs, blk0 + i + 2, tx)
-                T.sync_threads()  # KVs and rowS ready, the stage free
-                if i + 1 < nb:  # block i+1's copies, in flight during block i's GEMMs
-                    issue_block(R, stage, stage_s, rowS, kindS, (i + 1) % 2, bb, tx)
-                T.gemm(Qs, KVs, Sf, transpose_B=True, clear_accum=True)
-                T.call_extern("handle", "dsv41c_softmax_block", Sf.data, T.address_of(rowS[i % 2, 0]),
-                              T.address_of(mrun[0]), T.address_of(den[0]), T.address_of(alpha[0]),
-                              T.address_of(xch[0]), _f32_const(scale))
-                T.copy(Sf, Ps)
-                T.call_extern("handle", "dsv41c_rows_scale<false>", acc.data, T.address_of(alpha[0]), nacc)
-                T.gemm(Ps, KVs, acc)
-        else:  # `_EARLY_DECODE`: block i+1's first items decoded under block i's second GEMM
-            if nb > 0:
-                T.ptx_wait_group(0)
-                T.sync_threads()  # block 0 staged (every thread's copies)
-                decode(stage, stage_s, rowS, kindS, 0, KVs, cb, cbs, scs, vl, tx)
-            for i in T.serial(nb):
-                if tx < BLOCK:  # rowS[(i+1) % 2] was last read by block i-1's masks
-                    set_row(R, rowS, kindS, (i + 1) % 2, nxt[0], tx)
-                    next_row(R, nxt, bb, bs, blk0 + i + 2, tx)
-                T.sync_threads()  # KVs and rowS ready, the stage free
-                if i + 1 < nb:  # block i+1's copies, in flight during block i's first GEMM
-                    issue_block(R, stage, stage_s, rowS, kindS, (i + 1) % 2, bb, tx)
-                T.gemm(Qs, KVs, Sf, transpose_B=True, clear_accum=True)
-                T.call_extern("handle", "dsv41c_softmax_block", Sf.data, T.address_of(rowS[i % 2, 0]),
-                              T.address_of(mrun[0]), T.address_of(den[0]), T.address_of(alpha[0]),
-                              T.address_of(xch[0]), _f32_const(scale))
-                T.copy(Sf, Ps)
-                T.call_extern("handle", "dsv41c_rows_scale<false>", acc.data, T.address_of(alpha[0]), nacc)
-                TCU.wgmma_gemm(Ps, KVs, acc)  # issued, not waited for
-                if i + 1 < nb:
-                    T.ptx_wait_group(0)
-                    T.sync_threads()  # block i+1 staged
-                    decode_early(stage, stage_s, kindS, (i + 1) % 2, cbs, scs, held)
-                T.wait_wgmma(0)
-                if i + 1 < nb:
-                    T.sync_threads()  # both warpgroups' second GEMM done with KVs
-                    decode_late(stage, stage_s, rowS, kindS, (i + 1) % 2, KVs, cb, cbs, scs, vl, held)
+        for i in T.serial(nb):
+            T.ptx_wait_group(0)
+            T.sync_threads()  # block i staged (every thread's copies); the previous GEMMs done with KVs
+            decode(stage, stage_s, rowS, kindS, i % 2, KVs, cb, cbs, scs, vl, tx)
+            if tx < BLOCK:  # rowS[(i+1) % 2] was last read by block i-1's masks
+                set_row(R, rowS, kindS, (i + 1) % 2, nxt[0], tx)
+                next_row(R, nxt, bb, bs, blk0 + i + 2, tx)
+            T.sync_threads()  # KVs and rowS ready, the stage free
+            if i + 1 < nb:  # block i+1's copies, in flight during block i's GEMMs
+                issue_block(R, stage, stage_s, rowS, kindS, (i + 1) % 2, bb, tx)
+            T.gemm(Qs, KVs, Sf, transpose_B=True, clear_accum=True)
+            T.call_extern("handle", "dsv41c_softmax_block", Sf.data, T.address_of(rowS[i % 2, 0]),
+                          T.address_of(mrun[0]), T.address_of(den[0]), T.address_of(alpha[0]),
+                          T.address_of(xch[0]), _f32_const(scale))
+            T.copy(Sf, Ps)
+            T.call_extern("handle", "dsv41c_rows_scale<false>", acc.data, T.address_of(alpha[0]), nacc)
+            T.gemm(Ps, KVs, acc)
         T.ptx_wait_group(0)  # (a run of no blocks never waited: q's copies land before its tile is reused)
         T.call_extern("handle", "dsv41c_row_total", T.address_of(den[0]), T.address_of(xch[0]))
         rows = [0, 1]  # the thread's rows: head[k] (a list: unrolled at trace time)
