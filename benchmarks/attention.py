@@ -2,10 +2,16 @@
 eager torch, `torch.compile` of the eager reference, and the bytes-moved bound.
 
     python3 benchmarks/attention.py [--batch 1 32] [--context 8192 65536 262144] [--set NAME=VALUE ...]
-                                    [--json OUT.json]
+                                    [--json OUT.json] [--ablate nodecode|nosoftmax]
 
 --set overrides an integer constant of tilelang_kernels/attention.py before the first build (a variant
 to time against the default in the same run); the header repeats the overrides.
+--ablate (timing only: the outputs are wrong) replaces a part of the CUDA kernel before the first
+build, to measure what it costs: "nodecode" turns the packed rows' decode (`dsv41c_fp8_row8`,
+`dsv41c_fp4_row8`) into a few bit moves of the codes (their loads from the stage and the tile's
+stores stay), "nosoftmax" leaves the scores as they are (`dsv41c_softmax_block`: no masks, maxima,
+exponentials, or the exchange between the warpgroups and its barrier; the GEMMs and the copy of P
+stay).
 
 One decode step per sequence (S = 1) at the released attention dims: H = 64 heads x d = 512,
 an FP8 ring of 128 window rows and n_c = context / ratio FP4 compressed rows (ratio 2, the
@@ -76,6 +82,37 @@ def rotating(fn, first_args, lists, last_args):
     return lambda: fn(*first_args, next(it), *last_args)
 
 
+# --ablate: replacement bodies of prelude functions of tilelang_kernels/attention.py (the signature
+# line is kept): prelude variable -> (function, body)
+_ABLATIONS = {
+    "nodecode": [("_ROW8_PRELUDE", "dsv41c_fp8_row8", """
+  const uint2 c = *reinterpret_cast<const uint2*>(codes);
+  *reinterpret_cast<uint4*>(out) = make_uint4(c.x & 0x3F3F3F3Fu, c.y & 0x3F3F3F3Fu, (c.x ^ s) & 0x3F3F3F3Fu,
+                                              (c.y >> 1) & 0x3F3F3F3Fu);
+}
+"""), ("_ROW8_PRELUDE", "dsv41c_fp4_row8", """
+  const unsigned c = *reinterpret_cast<const unsigned*>(codes);
+  *reinterpret_cast<uint4*>(out) = make_uint4(c & 0x3F3F3F3Fu, (c >> 1) & 0x3F3F3F3Fu, (c ^ s) & 0x3F3F3F3Fu,
+                                              (c >> 2) & 0x3F3F3F3Fu);
+}
+""")],
+    "nosoftmax": [("_SOFTMAX_PRELUDE", "dsv41c_softmax_block", """
+  alpha[0] = 1.0f;
+  alpha[1] = 1.0f;
+}
+""")],
+}
+
+
+def ablate(part: str) -> None:
+    """Replace the `_ABLATIONS` functions of `part` in the kernel module's preludes (before the first build)."""
+    for var, fn, body in _ABLATIONS[part]:
+        src = getattr(A, var)
+        i = src.index("{", src.index(f"__device__ __forceinline__ void {fn}(")) + 1
+        j = src.index("\n}\n", i) + 3
+        setattr(A, var, src[:i] + body + src[j:])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
@@ -87,8 +124,12 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                     help="override an integer constant of tilelang_kernels/attention.py (a kernel variant)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--ablate", choices=sorted(_ABLATIONS), default=None,
+                    help="timing only, wrong outputs: a part of the CUDA kernel replaced (see above)")
     a = ap.parse_args()
     overrides = tuning(A, a.set)
+    if a.ablate:
+        ablate(a.ablate)
     g = torch.Generator(device="cuda").manual_seed(0)
     copy_gbs = copy_bandwidth()
     scale = D**-0.5
@@ -134,7 +175,8 @@ def main() -> None:
             torch.cuda.empty_cache()
     print(f"\ndevice: {torch.cuda.get_device_name()}, copy bandwidth {copy_gbs:.0f} GB/s (4 GiB device-to-device, "
           f"read + write); H={H}, d={D}, window {WINDOW}, top-k {TOPK}, ratio {a.ratio}"
-          f"{'; overrides ' + ', '.join(f'{k}={v}' for k, v in overrides.items()) if overrides else ''}\n")
+          f"{'; overrides ' + ', '.join(f'{k}={v}' for k, v in overrides.items()) if overrides else ''}"
+          f"{'; ablated (timing only, wrong outputs): ' + a.ablate if a.ablate else ''}\n")
     print("| batch | context | CTAs/query | MB moved | bound us | TileLang us | % bound | in a CUDA graph us | % bound "
           "| TileLang rows us | eager us | x eager "
           "| eager rows us | x eager rows | compile us | compile % bound | x compile | max abs vs ref |")
