@@ -588,3 +588,36 @@ def test_packed_head_dims():
     assert packed_head_dim_problem(64, cuda=False) is None and packed_head_dim_problem(512, cuda=True) is None
     assert "128" in packed_head_dim_problem(64, cuda=True)
     assert "32" in packed_head_dim_problem(48, cuda=False) and "32" in packed_head_dim_problem(48, cuda=True)
+
+
+def test_benchmark_ablations_replace_only_their_functions(monkeypatch):
+    """benchmarks/attention.py --ablate (timing only) swaps the bodies of the named prelude functions
+    and nothing else of the preludes, and the packed kernel (split, pair merge) still lowers with
+    both ablations in place."""
+    import sys
+    from pathlib import Path
+
+    import tvm
+    from tilelang.engine import lower
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    monkeypatch.delitem(sys.modules, "attention", raising=False)
+    import attention as BA
+    for var in {v for parts in BA._ABLATIONS.values() for v, _, _ in parts}:
+        monkeypatch.setattr(A, var, getattr(A, var))  # restored after the test
+    for part, swaps in BA._ABLATIONS.items():
+        before = {var: getattr(A, var) for var, _, _ in swaps}
+        BA.ablate(part)
+        for var, fn, body in swaps:
+            src, new = before[var], getattr(A, var)
+            head = src[:src.index("{", src.index(f"void {fn}(")) + 1]
+            tail = src[src.index("\n}\n", len(head)) + 3:]
+            assert new.startswith(head) and body in new, (part, fn)
+            before[var] = head + body + tail
+        assert all(getattr(A, var) == want for var, want in before.items()), part
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+    with target:
+        source = lower(A.attention_prim_func("packed_fp8", "bfloat16", 64, 512, 512**-0.5, "cuda", True, True),
+                       target=target).kernel_source
+    prelude = source[:source.index("__global__ void")]
+    assert "alpha[0] = 1.0f;" in prelude and "bar.sync 8, 256;" in prelude  # (dsv41c_row_total keeps its own)
+    assert "(c >> 2) & 0x3F3F3F3Fu" in prelude and "dsv41c_e2m1_words(*" not in prelude
