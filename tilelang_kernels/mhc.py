@@ -1305,12 +1305,14 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
     return names, _prim_func(names, S, body).with_attr(NO_SYNC_ATTR, 1)
 
 
-# CUDA, the finalize's quotients by one divisor (a row's or a column's sum + eps) through one shared
-# reciprocal.  dsv41c_rcp and dsv41c_div are the instructions of div.rn's fast path as nvcc emits it
-# for sm_90 (MUFU.RCP, two FFMA refine the reciprocal, then per quotient a product and one FFMA
-# correction), so each quotient is the IEEE one wherever that path is taken: a normal divisor and a
-# quotient that neither overflows nor falls below the normal range (the Sinkhorn's divisors are
-# >= hc_eps, its entries in (hc_eps, 1 + hc_eps]); a NaN propagates.
+# CUDA, the finalize's quotients by one divisor (a row's or a column's sum, + eps in the Sinkhorn)
+# through one shared reciprocal.  dsv41c_rcp and dsv41c_div are the instructions of div.rn's fast
+# path as nvcc emits it for sm_90 (MUFU.RCP, two FFMA refine the reciprocal, then per quotient a
+# product and one FFMA correction), so each quotient is the IEEE one wherever div.rn takes that
+# path: a normal divisor and a quotient that neither overflows nor falls below the normal range.
+# The divisors here are at least 1 (the softmax's sum of exponentials) or hc_eps, and the Sinkhorn's
+# entries stay near hc_eps and above; only a softmax term e^(x - max) / sum may be subnormal, and
+# the + hc_eps after it absorbs any last-bit difference.  A NaN propagates.
 _DIV_PRELUDE = r"""
 __device__ __forceinline__ float dsv41c_rcp(float d) {
   float r;
@@ -1359,7 +1361,7 @@ def _cuda_finalize_prim_func(m, D, norm_eps, hc_eps, iters, splits=None):
             t = bx * (threads // mp) + tx // mp
             i = tx % mp
             c = T.alloc_local((m,), "float32")  # row i of comb
-            d = T.alloc_local((m,), "float32")  # a sum + eps per column, then its reciprocal
+            d = T.alloc_local((m,), "float32")  # each column's sum + eps
             v = T.alloc_local((3,), "float32")  # pre[i], post[i], the sum of squares
             r = T.alloc_var("float32")
             s = T.alloc_var("float32")
