@@ -171,31 +171,48 @@ def emulated_cudagraphs(monkeypatch):
         torch._dynamo.reset()
 
 
-def decode_errors(model, fn, batch, steps, gen):
-    """Relative errors of `steps` decode steps of fn against eager, after the same eager prefill of 40."""
+def decode_logits(model, fn, batch, steps, gen):
+    """The logits of `steps` decode steps of fn (random tokens from gen), after an eager prefill of 40."""
     prompt = torch.randint(0, model.args.vocab_size, (batch, 40), generator=gen)
     tokens = [torch.randint(0, model.args.vocab_size, (batch, 1), generator=gen) for _ in range(steps)]
-    out = {}
-    for name, f in (("eager", model), ("compiled", fn)):
-        model.reset_cache()
-        model(prompt, 0)
-        out[name] = [f(t, 40 + i).float() for i, t in enumerate(tokens)]
-    return [golden.relative_error(a, b) for a, b in zip(out["compiled"], out["eager"], strict=True)]
+    model.reset_cache()
+    model(prompt, 0)
+    return [fn(t, 40 + i).float() for i, t in enumerate(tokens)]
+
+
+def decode_errors(model, fn, batch, steps, gen):
+    """Relative errors of `steps` decode steps of fn against eager, after the same eager prefill of 40."""
+    state = gen.get_state()
+    eager = decode_logits(model, model, batch, steps, gen)
+    gen.set_state(state)
+    return [golden.relative_error(a, b) for a, b in zip(decode_logits(model, fn, batch, steps, gen), eager, strict=True)]
 
 
 def test_the_decode_partitions_of_cudagraphs_keep_the_logits(emulated_cudagraphs):
     """`cudagraphs=True` splits the decode graph into partitions (compiler.partition_on_shape_symbols),
     emulated on the CPU. Every pass, tiny's first four layers in bf16 with kv_quant, prefill then 3
-    decode steps: over a dozen partitions, and the decode within the bf16 bound of eager bf16
-    (0.006-0.012 measured; the unpartitioned compile is the same). With concatenations
-    split between partitions it was 0.27-0.46 (fp32 did not show that split); a concatenation is
-    graphed whole, in one partition, or not at all, and a rule that graphs every concatenation
-    group regardless (a mutation of `graphed_groups`) fails here."""
+    decode steps: over a dozen partitions, and the decode's logits those of the same compile without
+    partitions, within 1e-3 (bit-identical on the CPU host). A concatenation is graphed whole, in
+    one partition, or not at all: with concatenations split between partitions (a rule that
+    graphed every concatenation group regardless, a mutation of `graphed_groups`) the decode was
+    0.27-0.46 from eager, where the compile without partitions is within 0.021 of it, so such a
+    split is far past this bound.
+    The reference is the compile without partitions, not eager: in bf16 with kv_quant these layers'
+    decode steps meet near-ties (a KV quantisation step, a route) that flip between any two
+    compiles of the model, plain `torch.compile` included (0.006-0.18 from eager over four inputs
+    of four steps on one CPU; eager itself is 0.05-0.16 from its fp32 twin there), so a bound
+    against eager holds or not by the input and the CPU's vector units."""
     compile_graphed, partitions = emulated_cudagraphs
     model = dsv41c.build_model(first_four_args(), seed=0, dtype=torch.bfloat16, kv_quant=True)
-    errs = decode_errors(model, compile_graphed(model), 1, 3, torch.Generator().manual_seed(0))
-    assert max(errs) <= 2e-2, errs
-    assert len(partitions) >= 12, len(partitions)
+    graphed = decode_logits(model, compile_graphed(model), 1, 3, torch.Generator().manual_seed(0))
+    n_partitions = len(partitions)
+    torch._dynamo.reset()
+    whole = decode_logits(model, dsv41c_compile(model, EVERY_PASS), 1, 3, torch.Generator().manual_seed(0))
+    eager = decode_logits(model, model, 1, 3, torch.Generator().manual_seed(0))
+    errs = [golden.relative_error(a, b) for a, b in zip(graphed, whole, strict=True)]
+    vs_eager = [golden.relative_error(a, b) for a, b in zip(graphed, eager, strict=True)]
+    assert max(errs) <= 1e-3, (errs, "from eager:", vs_eager)
+    assert n_partitions >= 12, n_partitions
 
 
 def test_the_graphed_compile_copies_a_constant_tables_rows_at_a_symbolic_position():
