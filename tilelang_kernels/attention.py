@@ -113,6 +113,9 @@ _MIN_SPLIT_BLOCKS = 1
 # cost (the acc through shared memory, two cluster barriers) outweighs what it saves.
 _PAIR_MIN_BLOCKS = 2
 _PAIR_PAD = 8  # fp32 padding of a row of the shared accumulator copy: conflict-free 8-byte stores
+# CUDA combine: partials loaded together, one round trip to L2 a group (`_combine_prim_func`).  At
+# batch 1 (10 partials) 4 makes three dependent trips; a larger group is not yet timed.
+_COMBINE_UNROLL = 4
 
 # The cluster barrier and the loads from the other CTA's shared memory (mapa + ld.shared::cluster)
 # of the pair merge (`_PAIR_MIN_BLOCKS`).
@@ -914,13 +917,13 @@ def _cuda_prim_func(kind, H, d, scale, split, pair=False):
 def _combine_prim_func(H, d):
     """o = sum_j acc_j e^(m_j - M) / (sum_j l_j e^(m_j - M) + e^(sink - M)), M = max_j m_j, in bf16:
     the splits' partials [B,S,NS,H,(d)] merged; grid (H, S, B), d/4 threads of 4 columns.  The
-    splits are read `unroll` at a time, so that many loads are in flight (NS is dynamic): each
-    group's maxima, sums and partials loaded together, the group merged into a running max (one
-    round trip to L2 a group; a first pass for M took one more: 1.04x at batch 32 on an H100).
-    With NS <= unroll, as at batch 32, M is the running max after the one group, and the sums run
-    in the same order as in the formula above."""
+    splits are read `_COMBINE_UNROLL` at a time, so that many loads are in flight (NS is dynamic):
+    each group's maxima, sums and partials loaded together, the group merged into a running max
+    (one round trip to L2 a group; a first pass for M took one more: 1.04x at batch 32 on an
+    H100).  With NS no more than that, as at batch 32, M is the running max after the one group,
+    and the sums run in the same order as in the formula above."""
     B, S, NS = T.dynamic("B"), T.dynamic("S"), T.dynamic("NS")
-    vec, unroll, f32 = 4, 4, "float32"
+    vec, unroll, f32 = 4, _COMBINE_UNROLL, "float32"
 
     @T.prim_func
     def main(OP: T.Tensor((B, S, NS, H, d), f32), MP: T.Tensor((B, S, NS, H), f32),
