@@ -75,8 +75,8 @@ partials into one the same way, through distributed shared memory (half the part
 read back; the fp32 sums then round in two levels instead of one).  The merging kernel is launched
 programmatically: the split kernel triggers at its start, so the merge's launch hides under its
 tail, and the merge waits (griddepcontrol) before it reads any partial.  The split depends on the
-batch, so a sequence's output may differ by the rounding above between batch sizes.  The packed builds need d a multiple of 128 (a
-window row's scales must fill a 4-byte cp.async).
+batch, so a sequence's output may differ by the rounding above between batch sizes.  The packed
+builds need d a multiple of 128 (a window row's scales must fill a 4-byte cp.async).
 """
 
 import functools
