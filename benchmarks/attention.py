@@ -2,7 +2,7 @@
 eager torch, `torch.compile` of the eager reference, and the bytes-moved bound.
 
     python3 benchmarks/attention.py [--batch 1 32] [--context 8192 65536 262144] [--set NAME=VALUE ...]
-                                    [--json OUT.json] [--ablate nodecode|nosoftmax]
+                                    [--json OUT.json] [--ablate nodecode|nosoftmax] [--trace]
 
 --set overrides an integer constant of tilelang_kernels/attention.py before the first build (a variant
 to time against the default in the same run); the header repeats the overrides.
@@ -12,6 +12,8 @@ build, to measure what it costs: "nodecode" turns the packed rows' decode (`dsv4
 stores stay), "nosoftmax" leaves the scores as they are (`dsv41c_softmax_block`: no masks, maxima,
 exponentials, or the exchange between the warpgroups and its barrier; the GEMMs and the copy of P
 stay).
+--trace (a diagnostic, no timing): the split kernel built with its phase marks (`_TRACE` in
+tilelang_kernels/attention.py); one call per batch, then each phase's SM cycles over the CTAs.
 
 One decode step per sequence (S = 1) at the released attention dims: H = 64 heads x d = 512,
 an FP8 ring of 128 window rows and n_c = context / ratio FP4 compressed rows (ratio 2, the
@@ -113,6 +115,49 @@ def ablate(part: str) -> None:
         setattr(A, var, src[:i] + body + src[j:])
 
 
+def trace(batches, context, ratio, lists, g) -> None:
+    """--trace: thread 0 of every CTA of the split kernel records its SM clock at the phase boundaries
+    of one `sparse_attn_packed` call (`_TRACE` in tilelang_kernels/attention.py); prints, per batch,
+    the median and the largest cycles of each phase over the CTAs, and the global timer's spread of
+    the CTAs' starts and ends (the marks' own cost is a store by one thread each)."""
+    buf = torch.zeros(4096, A.TRACE_SLOTS, dtype=torch.int64, device="cuda")
+    A._TRACE = buf.data_ptr()
+    scale = D**-0.5
+    print(f"\ndevice: {torch.cuda.get_device_name()}; the split kernel's phases in SM cycles (thread 0 of each "
+          f"CTA), one call after warm-ups; context {context // 1024}K\n")
+    for batch in batches:
+        q, ring, ring_scales, codes, scales, sink, idx = decode_case(batch, context // ratio, lists, g)
+        head = (q, ring, ring_scales, codes, scales, sink)
+        for i in range(2 * lists):
+            A.sparse_attn_packed(*head, idx[i % lists], scale)
+        buf.zero_()
+        torch.cuda.synchronize()
+        A.sparse_attn_packed(*head, idx[0], scale)
+        torch.cuda.synchronize()
+        t = buf[buf[:, 0] != 0].cpu()
+        if not len(t):
+            raise SystemExit(f"batch {batch}: no CTA wrote its trace (a whole-list build? see num_splits)")
+        t0, t1 = t[:, A._TRACE_T0], t[:, A._TRACE_T1]
+        ghz = ((t[:, 29] - t[:, 0]).double() / (t1 - t0).double()).median().item()
+        print(f"batch {batch}: {len(t)} CTAs on {t[:, A._TRACE_SM].unique().numel()} SMs; global timer: starts "
+              f"spread over {(t0.max() - t0.min()) / 1e3:.2f} us, ends over {(t1.max() - t1.min()) / 1e3:.2f} us, "
+              f"first start to last end {(t1.max() - t0.min()) / 1e3:.2f} us; SM clock {ghz:.2f} GHz\n")
+        print("| phase (cycles since the previous mark) | CTAs | median | max |")
+        print("|---|---:|---:|---:|")
+        prev = torch.zeros(len(t), dtype=torch.int64)
+        prev_set = torch.zeros(len(t), dtype=torch.bool)
+        for k, what in A._TRACE_MARKS.items():  # (in time order)
+            have = t[:, k] != 0
+            sel = have & prev_set
+            if sel.any():
+                d = (t[sel, k] - prev[sel]).double()
+                print(f"| {what} | {int(sel.sum())} | {d.median().item():.0f} | {d.max().item():.0f} |")
+            prev = torch.where(have, t[:, k], prev)
+            prev_set |= have
+        d = (t[:, 29] - t[:, 0]).double()
+        print(f"| whole CTA | {len(t)} | {d.median().item():.0f} | {d.max().item():.0f} |\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
@@ -126,11 +171,16 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--ablate", choices=sorted(_ABLATIONS), default=None,
                     help="timing only, wrong outputs: a part of the CUDA kernel replaced (see above)")
+    ap.add_argument("--trace", action="store_true",
+                    help="instead of timing: the split kernel's phases in SM cycles, at the first --context")
     a = ap.parse_args()
     overrides = tuning(A, a.set)
     if a.ablate:
         ablate(a.ablate)
     g = torch.Generator(device="cuda").manual_seed(0)
+    if a.trace:
+        trace(a.batch, a.context[0], a.ratio, a.lists, g)
+        return
     copy_gbs = copy_bandwidth()
     scale = D**-0.5
     compiled = None if a.no_compile else torch.compile(A.sparse_attn_packed_ref, dynamic=False)

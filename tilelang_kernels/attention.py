@@ -116,6 +116,31 @@ _PAIR_PAD = 8  # fp32 padding of a row of the shared accumulator copy: conflict-
 # CUDA combine: partials loaded together, one round trip to L2 a group (`_combine_prim_func`).  At
 # batch 1 (10 partials) 4 makes three dependent trips; a larger group is not yet timed.
 _COMBINE_UNROLL = 4
+# CUDA split: the partial accumulators written in bf16 instead of fp32 (half the bytes the split
+# writes and the combine reads back; one more bf16 rounding of each partial, module docstring)
+_PARTIAL_BF16 = 0
+# CUDA: acc [64, d] written through shared memory (after a barrier, each thread 16-byte stores of
+# whole sectors) instead of from the wgmma layout (8 rows x 8 bytes a warp store): the split's
+# partial when no pair merge runs, and o
+_STAGED_STORE = 0
+_STORE_ROLLED = 0
+_X_NOSTORE = 0
+# CUDA, a timing diagnostic (`benchmarks/attention.py --trace`): 0 (always, but there) or the device
+# address of an int64 buffer [CTAs, TRACE_SLOTS] into which thread 0 of each CTA writes its SM clock
+# (clock64) at the phase boundaries of `attend` (`_TRACE_MARKS`), its SM number and the global timer
+# at its start and end.  0 builds no marks: the lowered source is the kernel's.
+_TRACE = 0
+TRACE_SLOTS = 32
+_TRACE_BLOCKS = 4  # blocks of a run whose phases are marked
+# slot -> what precedes the mark, in the order of the marks in time; block i's five are at 3 + 5 i ..
+_TRACE_MARKS = {0: "start", 1: "the first row numbers set", 2: "the first copies issued (rows, q)",
+                **{3 + 5 * i + k: f"block {i}: {what}" for i in range(_TRACE_BLOCKS)
+                   for k, what in enumerate(("copies landed", "decoded", "GEMM1", "softmax, P, rescale",
+                                             "GEMM2"))},
+                28: "the loop's end (sums totalled)", 23: "pair merge: acc, maxima and sums in shared memory",
+                24: "pair merge: the cluster barrier", 25: "pair merge: the merged partial stored",
+                29: "the partial or o written"}
+_TRACE_SM, _TRACE_T0, _TRACE_T1 = 27, 30, 31  # slots: SM number; global timer (ns) at marks 0 and 29
 
 # The cluster barrier and the loads from the other CTA's shared memory (mapa + ld.shared::cluster)
 # of the pair merge (`_PAIR_MIN_BLOCKS`).
@@ -232,6 +257,30 @@ __device__ __forceinline__ void dsv41c_fp4_row8(const void* codes, unsigned s, v
   *reinterpret_cast<uint4*>(out) = make_uint4(v[0], v[1], v[2], v[3]);
 }
 """
+
+
+def _trace_prelude(addr: int) -> str:
+    """dsv41c_trace(k): thread 0 stores its SM clock in slot k of its CTA's row of the buffer at addr
+    (`_TRACE`); marks 0 and 29 also store the SM number and the global timer."""
+    return r"""
+__device__ __forceinline__ void dsv41c_trace(int k) {
+  if (threadIdx.x != 0) return;
+  long long* row = reinterpret_cast<long long*>(%dull) +
+                   %d * (blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z));
+  long long c;
+  asm volatile("mov.u64 %%0, %%%%clock64;" : "=l"(c) :: "memory");
+  row[k] = c;
+  if (k == 0 || k == 29) {
+    long long g;
+    unsigned sm;
+    asm volatile("mov.u64 %%0, %%%%globaltimer;" : "=l"(g) :: "memory");
+    asm volatile("mov.u32 %%0, %%%%smid;" : "=r"(sm));
+    row[k == 0 ? %d : %d] = g;
+    row[%d] = sm;
+  }
+}
+""" % (addr, TRACE_SLOTS, _TRACE_T0, _TRACE_T1, _TRACE_SM)
+
 
 # CUDA: the online softmax's row reductions by hand (`_SOFTMAX_PRELUDE`).  S [64 heads, 64 entries]
 # is split over the two warpgroups by entries, so each of TileLang's row reductions (T.reduce_max,
@@ -504,6 +553,11 @@ def _cpu_prim_func(kind, dtype, H, d, scale):
 
 # ------------------------------------------------------------------------------------- CUDA
 
+def _partial_dtype() -> str:
+    """The dtype of the split's partial accumulators (`_PARTIAL_BF16`)."""
+    return "bfloat16" if _PARTIAL_BF16 else "float32"
+
+
 def _cuda_prim_func(kind, H, d, scale, split, pair=False):
     """bf16 only (module docstring): CTAs of 256 threads, each HB heads of one query token.
     split False: grid (S, B, HG), a CTA walks the whole list and writes o.  split True: grid
@@ -524,7 +578,7 @@ def _cuda_prim_func(kind, H, d, scale, split, pair=False):
     items = BLOCK * per_row // threads  # decoded items per thread and block
     UG = math.gcd(_DECODE_GROUP, items)  # items a group (decode_uniform)
     assert d % 64 == 0 and (kind == "plain" or d % 128 == 0)
-    bf, f32 = "bfloat16", "float32"
+    bf, f32, pdt = "bfloat16", "float32", _partial_dtype()
     # The stage holds a block's listed rows as stored: a row of the window's format (bf16, or FP8
     # codes) or packed E2M1 codes at the start of the row; stage_s their scale bytes.  Copied in
     # chunks of 16 B (codes) and sc B (scales: the largest cp.async size dividing a window row's d/32).
@@ -538,6 +592,19 @@ def _cuda_prim_func(kind, H, d, scale, split, pair=False):
         # an extern call: TileLang's own T.ptx_cp_async makes its sync pass put a __syncthreads
         # around every copy; the waits and barriers here are explicit (attend)
         return T.call_extern("handle", f"tl::cp_async_gs<{n}>", T.address_of(dst), T.address_of(src))
+
+    @T.macro
+    def mark(k):
+        """The trace's mark k (`_TRACE`; none when it is 0)."""
+        if _TRACE:
+            T.call_extern("handle", "dsv41c_trace", k)
+
+    @T.macro
+    def mark_block(i, k):
+        """Block i's mark k of 5 (the first `_TRACE_BLOCKS` blocks)."""
+        if _TRACE:
+            if i < _TRACE_BLOCKS:
+                T.call_extern("handle", "dsv41c_trace", 3 + 5 * i + k)
 
     @T.macro
     def issue(R, stage, stage_s, rowS, buf, bb, tx):
@@ -741,7 +808,9 @@ def _cuda_prim_func(kind, H, d, scale, split, pair=False):
                 Ls[head[k]] = den[k]
         for h, c in T.Parallel(HB, d):
             Xs[h, c] = acc[h, c]
+        mark(23)
         T.call_extern("handle", "dsv41c_cluster_sync")
+        mark(24)
         for g in T.serial(rows * d // 4 // threads // G):
             for k in T.unroll(G):  # the group's loads first: in flight together
                 h = bj % 2 * rows + ((g * G + k) * threads + tx) // (d // 4)
@@ -760,11 +829,40 @@ def _cuda_prim_func(kind, H, d, scale, split, pair=False):
                     xs[k, 0, v] = xs[k, 0, v] * ml[k, 0] + xs[k, 1, v] * ml[k, 1]
                 if bh * HB + h < H:
                     for v in T.vectorized(4):
-                        R["OP"][bb, bs, bj // 2, bh * HB + h, c + v] = xs[k, 0, v]
+                        R["OP"][bb, bs, bj // 2, bh * HB + h, c + v] = T.Cast(pdt, xs[k, 0, v])
                     if c == 0:
                         R["MP"][bb, bs, bj // 2, bh * HB + h] = mx
                         R["LP"][bb, bs, bj // 2, bh * HB + h] = ml[k, 2] * ml[k, 0] + ml[k, 3] * ml[k, 1]
+        mark(25)
         T.call_extern("handle", "dsv41c_cluster_sync")
+
+    @T.macro
+    def staged_store(acc, dst, pre, dt, bh, tx):
+        """dst[pre + (bh HB + h, c)] = acc[h, c] in dtype dt for the CTA's heads below H, through a
+        padded shared copy of acc, each thread's stores 16 bytes (`_STAGED_STORE`)."""
+        Xs = T.alloc_shared((HB, d + _PAIR_PAD), f32)  # (the planner places it over the dead tiles)
+        vs = 8 if dt == bf else 4
+        T.sync_threads()  # every warpgroup's last GEMM is done with the tiles Xs may cover
+        for h, c in T.Parallel(HB, d):
+            Xs[h, c] = acc[h, c]
+        T.sync_threads()
+        if _STORE_ROLLED:
+            for u in T.serial(HB * d // vs // threads):
+                h = (u * threads + tx) // (d // vs)
+                c = (u * threads + tx) % (d // vs) * vs
+                if bh * HB + h < H:
+                    for v in T.vectorized(vs):
+                        dst[pre + (bh * HB + h, c + v)] = T.Cast(dt, Xs[h, c + v])
+        elif _X_NOSTORE:
+            if Xs[tx % 64, tx] == 12345.0:
+                dst[pre + (bh * HB, tx)] = T.Cast(dt, Xs[tx % 64, tx])
+        else:
+            for u in T.unroll(HB * d // vs // threads):
+                h = (u * threads + tx) // (d // vs)
+                c = (u * threads + tx) % (d // vs) * vs
+                if bh * HB + h < H:
+                    for v in T.vectorized(vs):
+                        dst[pre + (bh * HB + h, c + v)] = T.Cast(dt, Xs[h, c + v])
 
     @T.macro
     def attend(R, bj, bs, bb, bh):
@@ -794,6 +892,7 @@ def _cuda_prim_func(kind, H, d, scale, split, pair=False):
         # redone in the loop, there a 64-bit one (a subroutine call) inside the list-entry index
         blk0 = T.alloc_var("int32")
         nb = T.alloc_var("int32")
+        mark(0)
         blk0 = bj * T.ceildiv(T.ceildiv(K, BLOCK), NS) if split else 0
         nb = T.max(T.min(T.ceildiv(T.ceildiv(K, BLOCK), NS), T.ceildiv(K, BLOCK) - blk0), 0) if split \
             else T.ceildiv(K, BLOCK)
@@ -802,6 +901,7 @@ def _cuda_prim_func(kind, H, d, scale, split, pair=False):
             set_row(R, rowS, kindS, 0, nxt[0], tx)
             next_row(R, nxt, bb, bs, blk0 + 1, tx)
         T.sync_threads()
+        mark(1)
         if nb > 0:  # the first block's copies run while q is loaded
             issue_block(R, stage, stage_s, rowS, kindS, 0, bb, tx)
         if H % HB == 0:  # q by cp.async too: no thread waits for its loads before block 0's wait
@@ -819,25 +919,32 @@ def _cuda_prim_func(kind, H, d, scale, split, pair=False):
         T.fill(acc, 0)
         T.fill(den, 0)
         T.fill(mrun, _f32_const(_NEG_BIG))
+        mark(2)
         for i in T.serial(nb):
             T.ptx_wait_group(0)
             T.sync_threads()  # block i staged (every thread's copies); the previous GEMMs done with KVs
+            mark_block(i, 0)
             decode(stage, stage_s, rowS, kindS, i % 2, KVs, cb, cbs, scs, vl, tx)
             if tx < BLOCK:  # rowS[(i+1) % 2] was last read by block i-1's masks
                 set_row(R, rowS, kindS, (i + 1) % 2, nxt[0], tx)
                 next_row(R, nxt, bb, bs, blk0 + i + 2, tx)
             T.sync_threads()  # KVs and rowS ready, the stage free
+            mark_block(i, 1)
             if i + 1 < nb:  # block i+1's copies, in flight during block i's GEMMs
                 issue_block(R, stage, stage_s, rowS, kindS, (i + 1) % 2, bb, tx)
             T.gemm(Qs, KVs, Sf, transpose_B=True, clear_accum=True)
+            mark_block(i, 2)
             T.call_extern("handle", "dsv41c_softmax_block", Sf.data, T.address_of(rowS[i % 2, 0]),
                           T.address_of(mrun[0]), T.address_of(den[0]), T.address_of(alpha[0]),
                           T.address_of(xch[0]), _f32_const(scale))
             T.copy(Sf, Ps)
             T.call_extern("handle", "dsv41c_rows_scale<false>", acc.data, T.address_of(alpha[0]), nacc)
+            mark_block(i, 3)
             T.gemm(Ps, KVs, acc)
+            mark_block(i, 4)
         T.ptx_wait_group(0)  # (a run of no blocks never waited: q's copies land before its tile is reused)
         T.call_extern("handle", "dsv41c_row_total", T.address_of(den[0]), T.address_of(xch[0]))
+        mark(28)
         rows = [0, 1]  # the thread's rows: head[k] (a list: unrolled at trace time)
         head = [16 * (tx % 128 // 32) + tx % 32 // 4 + 8 * k for k in rows]
         if pair:
@@ -848,22 +955,27 @@ def _cuda_prim_func(kind, H, d, scale, split, pair=False):
                     if bh * HB + head[k] < H:
                         R["MP"][bb, bs, bj, bh * HB + head[k]] = mrun[k]
                         R["LP"][bb, bs, bj, bh * HB + head[k]] = den[k]
-            if H % HB == 0:
+            if _STAGED_STORE:
+                staged_store(acc, R["OP"], (bb, bs, bj), pdt, bh, tx)
+            elif H % HB == 0:
                 T.copy(acc, R["OP"][bb, bs, bj, bh * HB:(bh + 1) * HB, :])
             else:
                 for h, c in T.Parallel(HB, d):
                     if bh * HB + h < H:
-                        R["OP"][bb, bs, bj, bh * HB + h, c] = acc[h, c]
+                        R["OP"][bb, bs, bj, bh * HB + h, c] = T.Cast(pdt, acc[h, c])
         else:
             for k in rows:
                 den[k] = den[k] + T.exp(R["SINK"][T.min(bh * HB + head[k], H - 1)] - mrun[k])
             T.call_extern("handle", "dsv41c_rows_scale<true>", acc.data, T.address_of(den[0]), nacc)
-            if H % HB == 0:
+            if _STAGED_STORE:
+                staged_store(acc, R["O"], (bb, bs), bf, bh, tx)
+            elif H % HB == 0:
                 T.copy(acc, R["O"][bb, bs, bh * HB:(bh + 1) * HB, :])
             else:
                 for h, c in T.Parallel(HB, d):
                     if bh * HB + h < H:
                         R["O"][bb, bs, bh * HB + h, c] = T.Cast(bf, acc[h, c])
+        mark(29)
 
     qt, st, it = T.Tensor((B, S, H, d), bf), T.Tensor((H,), f32), T.Tensor((B, S, K), "int32")
     wt = T.Tensor((B, N, d), "uint8" if kind == "packed_fp8" else bf)
@@ -871,10 +983,11 @@ def _cuda_prim_func(kind, H, d, scale, split, pair=False):
     ct, cst = T.Tensor((B, NC, d // 2), "uint8"), T.Tensor((B, NC, d // 16), "uint8")
     # outputs: o [B,S,H,d] bf16, or the partials: acc [B,S,NS,H,d] fp32 and max, sum [B,S,NS,H] fp32
     # (one annotation object per parameter: two parameters given the same one become one buffer)
-    ot, opt = T.Tensor((B, S, H, d), bf), T.Tensor((B, S, NP, H, d), f32)
+    ot, opt = T.Tensor((B, S, H, d), bf), T.Tensor((B, S, NP, H, d), pdt)
     mpt, lpt = T.Tensor((B, S, NP, H), f32), T.Tensor((B, S, NP, H), f32)
 
-    prelude = _SOFTMAX_PRELUDE + ("" if kind == "plain" else _ROW8_PRELUDE + _KINDS_PRELUDE)
+    prelude = _SOFTMAX_PRELUDE + ("" if kind == "plain" else _ROW8_PRELUDE + _KINDS_PRELUDE) + \
+        (_trace_prelude(_TRACE) if _TRACE else "")
 
     @T.macro
     def run(R):
@@ -926,7 +1039,7 @@ def _combine_prim_func(H, d):
     vec, unroll, f32 = 4, _COMBINE_UNROLL, "float32"
 
     @T.prim_func
-    def main(OP: T.Tensor((B, S, NS, H, d), f32), MP: T.Tensor((B, S, NS, H), f32),
+    def main(OP: T.Tensor((B, S, NS, H, d), _partial_dtype()), MP: T.Tensor((B, S, NS, H), f32),
              LP: T.Tensor((B, S, NS, H), f32), SINK: T.Tensor((H,), f32), O: T.Tensor((B, S, H, d), "bfloat16")):
         with T.Kernel(H, S, B, threads=d // vec) as (h, bs, bb):
             tx = T.get_thread_binding()
@@ -953,7 +1066,7 @@ def _combine_prim_func(H, d):
                         mp[u] = MP[bb, bs, j0 * unroll + u, h]
                         lp[u] = LP[bb, bs, j0 * unroll + u, h]
                         for v in T.vectorized(vec):
-                            part[u, v] = OP[bb, bs, j0 * unroll + u, h, tx * vec + v]
+                            part[u, v] = T.Cast(f32, OP[bb, bs, j0 * unroll + u, h, tx * vec + v])
                 mg = m
                 for u in T.unroll(unroll):
                     mg = T.max(mg, mp[u])
@@ -1090,7 +1203,7 @@ def _run(kind, q, srcs, sink, idx, scale):
         return out
     pair = pair_merged(ns, blocks)
     npart = ns // 2 if pair else ns
-    acc = q.new_empty((b, s, npart, h, d), dtype=torch.float32)
+    acc = q.new_empty((b, s, npart, h, d), dtype=getattr(torch, _partial_dtype()))
     m, l = (q.new_empty((b, s, npart, h), dtype=torch.float32) for _ in range(2))
     build(*kernel_key, True, pair)(qa, *srcs, idx, acc, m, l, nv)
     build("combine", "bfloat16", h, d, 0.0, target)(acc, m, l, sink, out)
