@@ -621,3 +621,28 @@ def test_benchmark_ablations_replace_only_their_functions(monkeypatch):
     prelude = source[:source.index("__global__ void")]
     assert "alpha[0] = 1.0f;" in prelude and "bar.sync 8, 256;" in prelude  # (dsv41c_row_total keeps its own)
     assert "(c >> 2) & 0x3F3F3F3Fu" in prelude and "dsv41c_e2m1_words(*" not in prelude
+    assert "dsv41c_trace" not in source  # (no trace marks unless `_TRACE` is set)
+
+
+def test_trace_marks_every_phase_once_in_time_order(monkeypatch):
+    """benchmarks/attention.py --trace: with `_TRACE` set to a buffer address, the CUDA split kernel
+    (pair merge) calls dsv41c_trace at each mark of `_TRACE_MARKS` in the order the dict lists them,
+    the block marks inside the loop for its first `_TRACE_BLOCKS` blocks; the slots fit a CTA's row."""
+    import re
+
+    import tvm
+    from tilelang.engine import lower
+    slots = [*A._TRACE_MARKS, A._TRACE_SM, A._TRACE_T0, A._TRACE_T1]
+    assert len(set(slots)) == len(slots) and max(slots) < A.TRACE_SLOTS
+    monkeypatch.setattr(A, "_TRACE", 0x7F0012340000)
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+    with target:
+        source = lower(A.attention_prim_func("packed_fp8", "bfloat16", 64, 512, 512**-0.5, "cuda", True, True),
+                       target=target).kernel_source
+    assert f"reinterpret_cast<long long*>({0x7F0012340000}ull)" in source
+    body = source[source.index("__global__ void"):]
+    calls = re.findall(r"dsv41c_trace\((.*?)\);\n", body)
+    loop = re.search(r"if \((\w+) < 4\) \{\s*dsv41c_trace", body).group(1)
+    block = [f"(({loop} * 5) + {3 + k})" for k in range(5)]
+    assert calls == ["0", "1", "2", *block, "28", "23", "24", "25", "29"], calls
+    assert list(A._TRACE_MARKS) == [0, 1, 2, *range(3, 3 + 5 * A._TRACE_BLOCKS), 28, 23, 24, 25, 29]

@@ -116,15 +116,6 @@ _PAIR_PAD = 8  # fp32 padding of a row of the shared accumulator copy: conflict-
 # CUDA combine: partials loaded together, one round trip to L2 a group (`_combine_prim_func`).  At
 # batch 1 (10 partials) 4 makes three dependent trips; a larger group is not yet timed.
 _COMBINE_UNROLL = 4
-# CUDA split: the partial accumulators written in bf16 instead of fp32 (half the bytes the split
-# writes and the combine reads back; one more bf16 rounding of each partial, module docstring)
-_PARTIAL_BF16 = 0
-# CUDA: acc [64, d] written through shared memory (after a barrier, each thread 16-byte stores of
-# whole sectors) instead of from the wgmma layout (8 rows x 8 bytes a warp store): the split's
-# partial when no pair merge runs, and o
-_STAGED_STORE = 0
-_STORE_ROLLED = 0
-_X_NOSTORE = 0
 # CUDA, a timing diagnostic (`benchmarks/attention.py --trace`): 0 (always, but there) or the device
 # address of an int64 buffer [CTAs, TRACE_SLOTS] into which thread 0 of each CTA writes its SM clock
 # (clock64) at the phase boundaries of `attend` (`_TRACE_MARKS`), its SM number and the global timer
@@ -553,11 +544,6 @@ def _cpu_prim_func(kind, dtype, H, d, scale):
 
 # ------------------------------------------------------------------------------------- CUDA
 
-def _partial_dtype() -> str:
-    """The dtype of the split's partial accumulators (`_PARTIAL_BF16`)."""
-    return "bfloat16" if _PARTIAL_BF16 else "float32"
-
-
 def _cuda_prim_func(kind, H, d, scale, split, pair=False):
     """bf16 only (module docstring): CTAs of 256 threads, each HB heads of one query token.
     split False: grid (S, B, HG), a CTA walks the whole list and writes o.  split True: grid
@@ -578,7 +564,7 @@ def _cuda_prim_func(kind, H, d, scale, split, pair=False):
     items = BLOCK * per_row // threads  # decoded items per thread and block
     UG = math.gcd(_DECODE_GROUP, items)  # items a group (decode_uniform)
     assert d % 64 == 0 and (kind == "plain" or d % 128 == 0)
-    bf, f32, pdt = "bfloat16", "float32", _partial_dtype()
+    bf, f32 = "bfloat16", "float32"
     # The stage holds a block's listed rows as stored: a row of the window's format (bf16, or FP8
     # codes) or packed E2M1 codes at the start of the row; stage_s their scale bytes.  Copied in
     # chunks of 16 B (codes) and sc B (scales: the largest cp.async size dividing a window row's d/32).
@@ -829,40 +815,12 @@ def _cuda_prim_func(kind, H, d, scale, split, pair=False):
                     xs[k, 0, v] = xs[k, 0, v] * ml[k, 0] + xs[k, 1, v] * ml[k, 1]
                 if bh * HB + h < H:
                     for v in T.vectorized(4):
-                        R["OP"][bb, bs, bj // 2, bh * HB + h, c + v] = T.Cast(pdt, xs[k, 0, v])
+                        R["OP"][bb, bs, bj // 2, bh * HB + h, c + v] = xs[k, 0, v]
                     if c == 0:
                         R["MP"][bb, bs, bj // 2, bh * HB + h] = mx
                         R["LP"][bb, bs, bj // 2, bh * HB + h] = ml[k, 2] * ml[k, 0] + ml[k, 3] * ml[k, 1]
         mark(25)
         T.call_extern("handle", "dsv41c_cluster_sync")
-
-    @T.macro
-    def staged_store(acc, dst, pre, dt, bh, tx):
-        """dst[pre + (bh HB + h, c)] = acc[h, c] in dtype dt for the CTA's heads below H, through a
-        padded shared copy of acc, each thread's stores 16 bytes (`_STAGED_STORE`)."""
-        Xs = T.alloc_shared((HB, d + _PAIR_PAD), f32)  # (the planner places it over the dead tiles)
-        vs = 8 if dt == bf else 4
-        T.sync_threads()  # every warpgroup's last GEMM is done with the tiles Xs may cover
-        for h, c in T.Parallel(HB, d):
-            Xs[h, c] = acc[h, c]
-        T.sync_threads()
-        if _STORE_ROLLED:
-            for u in T.serial(HB * d // vs // threads):
-                h = (u * threads + tx) // (d // vs)
-                c = (u * threads + tx) % (d // vs) * vs
-                if bh * HB + h < H:
-                    for v in T.vectorized(vs):
-                        dst[pre + (bh * HB + h, c + v)] = T.Cast(dt, Xs[h, c + v])
-        elif _X_NOSTORE:
-            if Xs[tx % 64, tx] == 12345.0:
-                dst[pre + (bh * HB, tx)] = T.Cast(dt, Xs[tx % 64, tx])
-        else:
-            for u in T.unroll(HB * d // vs // threads):
-                h = (u * threads + tx) // (d // vs)
-                c = (u * threads + tx) % (d // vs) * vs
-                if bh * HB + h < H:
-                    for v in T.vectorized(vs):
-                        dst[pre + (bh * HB + h, c + v)] = T.Cast(dt, Xs[h, c + v])
 
     @T.macro
     def attend(R, bj, bs, bb, bh):
@@ -955,21 +913,17 @@ def _cuda_prim_func(kind, H, d, scale, split, pair=False):
                     if bh * HB + head[k] < H:
                         R["MP"][bb, bs, bj, bh * HB + head[k]] = mrun[k]
                         R["LP"][bb, bs, bj, bh * HB + head[k]] = den[k]
-            if _STAGED_STORE:
-                staged_store(acc, R["OP"], (bb, bs, bj), pdt, bh, tx)
-            elif H % HB == 0:
+            if H % HB == 0:
                 T.copy(acc, R["OP"][bb, bs, bj, bh * HB:(bh + 1) * HB, :])
             else:
                 for h, c in T.Parallel(HB, d):
                     if bh * HB + h < H:
-                        R["OP"][bb, bs, bj, bh * HB + h, c] = T.Cast(pdt, acc[h, c])
+                        R["OP"][bb, bs, bj, bh * HB + h, c] = acc[h, c]
         else:
             for k in rows:
                 den[k] = den[k] + T.exp(R["SINK"][T.min(bh * HB + head[k], H - 1)] - mrun[k])
             T.call_extern("handle", "dsv41c_rows_scale<true>", acc.data, T.address_of(den[0]), nacc)
-            if _STAGED_STORE:
-                staged_store(acc, R["O"], (bb, bs), bf, bh, tx)
-            elif H % HB == 0:
+            if H % HB == 0:
                 T.copy(acc, R["O"][bb, bs, bh * HB:(bh + 1) * HB, :])
             else:
                 for h, c in T.Parallel(HB, d):
@@ -983,7 +937,7 @@ def _cuda_prim_func(kind, H, d, scale, split, pair=False):
     ct, cst = T.Tensor((B, NC, d // 2), "uint8"), T.Tensor((B, NC, d // 16), "uint8")
     # outputs: o [B,S,H,d] bf16, or the partials: acc [B,S,NS,H,d] fp32 and max, sum [B,S,NS,H] fp32
     # (one annotation object per parameter: two parameters given the same one become one buffer)
-    ot, opt = T.Tensor((B, S, H, d), bf), T.Tensor((B, S, NP, H, d), pdt)
+    ot, opt = T.Tensor((B, S, H, d), bf), T.Tensor((B, S, NP, H, d), f32)
     mpt, lpt = T.Tensor((B, S, NP, H), f32), T.Tensor((B, S, NP, H), f32)
 
     prelude = _SOFTMAX_PRELUDE + ("" if kind == "plain" else _ROW8_PRELUDE + _KINDS_PRELUDE) + \
@@ -1039,7 +993,7 @@ def _combine_prim_func(H, d):
     vec, unroll, f32 = 4, _COMBINE_UNROLL, "float32"
 
     @T.prim_func
-    def main(OP: T.Tensor((B, S, NS, H, d), _partial_dtype()), MP: T.Tensor((B, S, NS, H), f32),
+    def main(OP: T.Tensor((B, S, NS, H, d), f32), MP: T.Tensor((B, S, NS, H), f32),
              LP: T.Tensor((B, S, NS, H), f32), SINK: T.Tensor((H,), f32), O: T.Tensor((B, S, H, d), "bfloat16")):
         with T.Kernel(H, S, B, threads=d // vec) as (h, bs, bb):
             tx = T.get_thread_binding()
@@ -1066,7 +1020,7 @@ def _combine_prim_func(H, d):
                         mp[u] = MP[bb, bs, j0 * unroll + u, h]
                         lp[u] = LP[bb, bs, j0 * unroll + u, h]
                         for v in T.vectorized(vec):
-                            part[u, v] = T.Cast(f32, OP[bb, bs, j0 * unroll + u, h, tx * vec + v])
+                            part[u, v] = OP[bb, bs, j0 * unroll + u, h, tx * vec + v]
                 mg = m
                 for u in T.unroll(unroll):
                     mg = T.max(mg, mp[u])
@@ -1203,7 +1157,7 @@ def _run(kind, q, srcs, sink, idx, scale):
         return out
     pair = pair_merged(ns, blocks)
     npart = ns // 2 if pair else ns
-    acc = q.new_empty((b, s, npart, h, d), dtype=getattr(torch, _partial_dtype()))
+    acc = q.new_empty((b, s, npart, h, d), dtype=torch.float32)
     m, l = (q.new_empty((b, s, npart, h), dtype=torch.float32) for _ in range(2))
     build(*kernel_key, True, pair)(qa, *srcs, idx, acc, m, l, nv)
     build("combine", "bfloat16", h, d, 0.0, target)(acc, m, l, sink, out)
