@@ -86,12 +86,11 @@ import tilelang.cpu.language as TC
 import tilelang.cuda.language as TCU
 import tilelang.language as T
 import torch
-from tilelang.layout import make_wgmma_swizzled_layout
 
 from dsv41c import quant as Q
 from dsv41c.attention import sparse_attn as sparse_attn_ref
-from dsv41c.tilelang_kernels.quant import (CUDA_E2M1_WORDS, CUDA_PACK_BF16X2, CUDA_WGMMA, _bits, _e2m1_value,
-                                            _e4m3_value, _e8m0_value, _store, compile_for,
+from dsv41c.tilelang_kernels.quant import (CUDA_E2M1_WORDS, CUDA_PACK_BF16X2, _bits, _e2m1_value, _e4m3_value,
+                                            _e8m0_value, _store, compile_for,
                                             define_op, kernel_target, rows_buffer)
 
 __all__ = ["BLOCK", "KINDS", "attention_prim_func", "build", "combine_prim_func", "num_splits",
@@ -117,8 +116,6 @@ _PAIR_PAD = 8  # fp32 padding of a row of the shared accumulator copy: conflict-
 # CUDA combine: partials loaded together, one round trip to L2 a group (`_combine_prim_func`).  At
 # batch 1 (10 partials) 4 makes three dependent trips; a larger group is not yet timed.
 _COMBINE_UNROLL = 4
-# CUDA: S = q K^T split over d between the warpgroups (`_QK_PRELUDE`) instead of over the entries
-_QK_KSPLIT = 0
 # CUDA, a timing diagnostic (`benchmarks/attention.py --trace`): 0 (always, but there) or the device
 # address of an int64 buffer [CTAs, TRACE_SLOTS] into which thread 0 of each CTA writes its SM clock
 # (clock64) at the phase boundaries of `attend` (`_TRACE_MARKS`), its SM number and the global timer
@@ -274,77 +271,6 @@ __device__ __forceinline__ void dsv41c_trace(int k) {
   }
 }
 """ % (addr, TRACE_SLOTS, _TRACE_T0, _TRACE_T1, _TRACE_SM)
-
-
-# CUDA: S = q K^T [64 heads, 64 entries] with the warpgroups splitting d (`_QK_KSPLIT`).  T.gemm
-# splits the entries: each warpgroup runs m64n32k16 over all of d and so reads all of q's 64 KB
-# tile from shared memory, 192 KB a block for both with K's tile (about 1,500 cycles at 128 B a
-# cycle, against about 1,000 of tensor-core work).  Here warpgroup g runs m64n64k16 over d
-# 256g .. 256g + 255 (q's and K's half tiles: 128 KB a block in all), then the two exchange
-# halves of their partial S through shared memory (xs: 2 x 128 x 16 fp32) so that each ends with
-# its 32 entries, S = part_0 + part_1, in the layout T.gemm's m64n32 accumulator has
-# (`_SOFTMAX_PRELUDE`).  P (bf16) is then stored by hand into Ps, in the 128-byte swizzle of the
-# second GEMM's A operand (row r at 128 r, 16-byte chunk c at c ^ (r % 8); Ps 1024-aligned).
-# Tiles: q and K [64, d] bf16 as T.gemm lays them out (8 KB per 64 columns, 128-byte swizzle).
-_QK_PRELUDE = r"""
-// (q and kv, the tiles dq and dk describe, are not read here: passing them keeps TileLang's planner
-// from placing other buffers over them while the loop runs)
-__device__ __forceinline__ void dsv41c_qk_ksplit(float* s, unsigned long long dq, unsigned long long dk, float* xs,
-                                                 const void* q, const void* kv) {
-  const int t = threadIdx.x, g = t >> 7, tw = t & 127;
-  float d[32];
-  dsv41c_fence_async();
-  dsv41c_wgmma_fence();
-#pragma unroll
-  for (int k = 0; k < 16; ++k) {
-    const unsigned off = ((4 * g + (k >> 2)) * 8192u + (k & 3) * 32u) >> 4;  // (descriptor units)
-    asm volatile("{\n.reg .pred q;\nsetp.ne.b32 q, %34, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, "
-                 "%9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, "
-                 "%28, %29, %30, %31}, %32, %33, q, 1, 1, 0, 0;\n}"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),
-                   "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),
-                   "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),
-                   "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-                 : "l"(dq + off), "l"(dk + off), "r"(k) : "memory");
-  }
-  dsv41c_wgmma_commit();
-  dsv41c_wgmma_wait();
-  // d[4J + 2h + e]: entry 8J + 2(l % 4) + e; entries 32g' .. 32g' + 31 are d[16g' .. 16g' + 15]
-  float4* to = reinterpret_cast<float4*>(xs + 2048 * (g ^ 1) + 16 * tw);
-#pragma unroll
-  for (int i = 0; i < 4; ++i)  // the other warpgroup's entries (the selects keep d in registers)
-    to[i] = g ? make_float4(d[4 * i], d[4 * i + 1], d[4 * i + 2], d[4 * i + 3])
-              : make_float4(d[16 + 4 * i], d[16 + 4 * i + 1], d[16 + 4 * i + 2], d[16 + 4 * i + 3]);
-  asm volatile("bar.sync 8, 256;" ::: "memory");
-  const float4* from = reinterpret_cast<const float4*>(xs + 2048 * g + 16 * tw);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float4 o = from[i];
-    s[4 * i] = (g ? d[16 + 4 * i] : d[4 * i]) + o.x;
-    s[4 * i + 1] = (g ? d[16 + 4 * i + 1] : d[4 * i + 1]) + o.y;
-    s[4 * i + 2] = (g ? d[16 + 4 * i + 2] : d[4 * i + 2]) + o.z;
-    s[4 * i + 3] = (g ? d[16 + 4 * i + 3] : d[4 * i + 3]) + o.w;
-  }
-}
-
-// P = bf16(s) into Ps [64, 64] (the layout above), then the fence that lets the wgmma read it
-__device__ __forceinline__ void dsv41c_p_store(const float* s, void* ps) {
-  const int t = threadIdx.x, g = t >> 7, l = t & 31, r0 = 16 * ((t >> 5) & 3) + (l >> 2);
-  char* base = reinterpret_cast<char*>(ps);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = r0 + 8 * h, c = 32 * g + 8 * j + 2 * (l & 3);
-      *reinterpret_cast<unsigned*>(base + 128 * r + (((c >> 3) ^ (r & 7)) << 4) + 2 * (c & 7)) =
-          dsv41c_pack_bf16x2(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]);
-    }
-  }
-  dsv41c_fence_async();
-}
-"""
 
 
 # CUDA: the online softmax's row reductions by hand (`_SOFTMAX_PRELUDE`).  S [64 heads, 64 entries]
@@ -909,17 +835,7 @@ def _cuda_prim_func(kind, H, d, scale, split, pair=False):
         stage_s = T.alloc_shared((BLOCK, d // 16), "uint8")
         rowS = T.alloc_shared((2, BLOCK), "int32")  # rows of blocks i, i+1 (by parity), -1 for none
         kindS = T.alloc_shared((2, 2), "int32") if uni else None  # their row kinds, by warp (set_row)
-        if _QK_KSPLIT:  # the thread's 16 entries of S (`_QK_PRELUDE`), and the exchange
-            Sf = T.alloc_local((HB * BLOCK // threads,), f32)
-            xs = T.alloc_shared((2 * 128 * 16,), f32)
-            T.annotate_layout({Qs: make_wgmma_swizzled_layout(Qs)})  # T.gemm's for q (no T.gemm reads it)
-            # the tiles' descriptors (128-byte swizzle, 1 KB between 8-row groups), made by TileLang's
-            # op, which also aligns q's tile for it
-            dq, dk = T.alloc_wgmma_desc(), T.alloc_wgmma_desc()
-            T.initialize_wgmma_descriptor(dq, Qs.access_ptr("r"), 1, 1, 64)
-            T.initialize_wgmma_descriptor(dk, KVs.access_ptr("r"), 1, 1, 64)
-        else:
-            Sf = T.alloc_fragment((HB, BLOCK), f32)
+        Sf = T.alloc_fragment((HB, BLOCK), f32)
         acc = T.alloc_fragment((HB, d), f32)
         # running max, sum (the thread's part until the loop ends) and rescale of the thread's two
         # rows (`_SOFTMAX_PRELUDE`); the warpgroups' row maxima or sums
@@ -974,20 +890,12 @@ def _cuda_prim_func(kind, H, d, scale, split, pair=False):
             mark_block(i, 1)
             if i + 1 < nb:  # block i+1's copies, in flight during block i's GEMMs
                 issue_block(R, stage, stage_s, rowS, kindS, (i + 1) % 2, bb, tx)
-            if _QK_KSPLIT:
-                T.call_extern("handle", "dsv41c_qk_ksplit", T.address_of(Sf[0]), dq[0], dk[0], T.address_of(xs[0]),
-                              T.address_of(Qs[0, 0]), T.address_of(KVs[0, 0]))
-            else:
-                T.gemm(Qs, KVs, Sf, transpose_B=True, clear_accum=True)
+            T.gemm(Qs, KVs, Sf, transpose_B=True, clear_accum=True)
             mark_block(i, 2)
             T.call_extern("handle", "dsv41c_softmax_block", Sf.data, T.address_of(rowS[i % 2, 0]),
                           T.address_of(mrun[0]), T.address_of(den[0]), T.address_of(alpha[0]),
                           T.address_of(xch[0]), _f32_const(scale))
-            if _QK_KSPLIT:
-                T.call_extern("handle", "dsv41c_p_store", T.address_of(Sf[0]), T.address_of(Ps[0, 0]))
-                T.sync_threads()
-            else:
-                T.copy(Sf, Ps)
+            T.copy(Sf, Ps)
             T.call_extern("handle", "dsv41c_rows_scale<false>", acc.data, T.address_of(alpha[0]), nacc)
             mark_block(i, 3)
             T.gemm(Ps, KVs, acc)
@@ -1034,8 +942,6 @@ def _cuda_prim_func(kind, H, d, scale, split, pair=False):
 
     prelude = _SOFTMAX_PRELUDE + ("" if kind == "plain" else _ROW8_PRELUDE + _KINDS_PRELUDE) + \
         (_trace_prelude(_TRACE) if _TRACE else "")
-    if _QK_KSPLIT:
-        prelude += (CUDA_PACK_BF16X2 if kind == "plain" else "") + CUDA_WGMMA + _QK_PRELUDE
 
     @T.macro
     def run(R):

@@ -94,12 +94,10 @@ import tilelang.language as T
 import torch
 from dsv41c.tilelang_kernels.quant import (
     CUDA_PACK_BF16X2,
-    CUDA_WGMMA,
     NO_SYNC_ATTR,
     _bits,
     _store,
     compile_for,
-    cuda_wgmma_fn,
     define_op,
     device_target,
 )
@@ -864,6 +862,37 @@ def _bf16_half(word, u):
     return T.reinterpret(bits, "float32")
 
 
+# CUDA, sm_90a: raw shared-memory stores, GMMA descriptors and wgmma for the wgmma mixing kernel
+# (`_cuda_wg_prim_func`); every shared address is taken from the kernel's raw buffer `p` and
+# rounded up to 1024 bytes (the 128-byte swizzle repeats every 8 rows of 128 B)
+_WGMMA_PRELUDE = """
+__device__ __forceinline__ unsigned dsv41c_sbase(const void* p) {
+  return (static_cast<unsigned>(__cvta_generic_to_shared(p)) + 1023u) & ~1023u;
+}
+__device__ __forceinline__ void dsv41c_sts128(const void* p, unsigned off, unsigned a, unsigned b, unsigned c,
+                                              unsigned d) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" :: "r"(dsv41c_sbase(p) + off), "r"(a), "r"(b), "r"(c),
+               "r"(d) : "memory");
+}
+__device__ __forceinline__ void dsv41c_sts64(const void* p, unsigned off, unsigned a, unsigned b) {
+  asm volatile("st.shared.v2.b32 [%0], {%1, %2};" :: "r"(dsv41c_sbase(p) + off), "r"(a), "r"(b) : "memory");
+}
+// K-major operand, 128-byte swizzle: start address >> 4, leading offset unused (1), 1024 B between
+// groups of 8 rows, layout type 1 (B128) in bits 62-63
+__device__ __forceinline__ unsigned long long dsv41c_desc(const void* p, unsigned off) {
+  return (unsigned long long)(((dsv41c_sbase(p) + off) & 0x3FFFFu) >> 4) | (1ull << 16) | (64ull << 32)
+         | (1ull << 62);
+}
+__device__ __forceinline__ void dsv41c_fence_async() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+__device__ __forceinline__ void dsv41c_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void dsv41c_wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void dsv41c_wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+"""
+
 # CUDA, sm_90: mbarriers at byte offset off of the wgmma kernel's shared memory; arrive releases
 # and the wait acquires at CTA scope (the PTX defaults)
 _MBAR_PRELUDE = """
@@ -916,6 +945,23 @@ class _WgLayout:
         return self.a_bytes + buf * self.b_bytes + st // 4 * self.b_kb + st % 4 * 32
 
 
+def _wgmma_fn(n: int) -> str:
+    """`dsv41c_wgmma_n<n>(d, p, a_off, b_off, acc)`: one wgmma m64n<n>k16, bf16 operands from shared
+    memory (descriptors at offsets a_off, b_off of `p`), fp32 accumulator d[0 : n / 2]; acc = 0
+    overwrites d."""
+    k = n // 2
+    outs = ", ".join(f"%{i}" for i in range(k))
+    cons = ", ".join(f'"+f"(d[{i}])' for i in range(k))
+    return f"""
+__device__ __forceinline__ void dsv41c_wgmma_n{n}(float* d, const void* p, unsigned a_off, unsigned b_off, int acc) {{
+  unsigned long long da = dsv41c_desc(p, a_off), db = dsv41c_desc(p, b_off);
+  asm volatile("{{\\n.reg .pred q;\\nsetp.ne.b32 q, %{k + 2}, 0;\\n"
+               "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{outs}}}, %{k}, %{k + 1}, q, 1, 1, 0, 0;\\n}}"
+               : {cons} : "l"(da), "l"(db), "r"(acc) : "memory");
+}}
+"""
+
+
 def _cuda_wg_prim_func(kind, m, D):
     """The column-resident wgmma mixing kernel for bf16 streams (module docstring, CUDA step 1).
 
@@ -953,7 +999,7 @@ def _cuda_wg_prim_func(kind, m, D):
       warpgroup (`_WG_GEMM_REGS`) to the streaming warps.  The wgmma and their waits sit in
       branches on a warp-uniform warpgroup index, and the epilogue reads every accumulator
       unconditionally: ptxas serialises every wgmma otherwise.
-    The wgmma are issued through inline PTX (`CUDA_WGMMA`): TileLang's T.gemm divides a GEMM
+    The wgmma are issued through inline PTX (`_WGMMA_PRELUDE`): TileLang's T.gemm divides a GEMM
     over all the CTA's threads."""
     expand = kind == "post_pre"
     names = _PARAMS[kind, "main"]
@@ -987,7 +1033,7 @@ def _cuda_wg_prim_func(kind, m, D):
     ncv = -(-ncoef // 32)
     mb = L.a_bytes + 2 * L.b_bytes  # the mbarriers full[0], full[1], empty[0], empty[1], 8 bytes each
     mul, add = _arith(True)
-    prelude = CUDA_PACK_BF16X2 + _RUNNING_ADDRS + CUDA_WGMMA + _MBAR_PRELUDE + cuda_wgmma_fn(BLK) + "".join(
+    prelude = CUDA_PACK_BF16X2 + _RUNNING_ADDRS + _WGMMA_PRELUDE + _MBAR_PRELUDE + _wgmma_fn(BLK) + "".join(
         f"""
 __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("setmaxnreg.{op}.sync.aligned.u32 {r};"); }}
 """ for op, r in (("dec", _WG_GEMM_REGS), ("inc", r_st)))

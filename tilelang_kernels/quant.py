@@ -69,56 +69,6 @@ __device__ __forceinline__ unsigned dsv41c_pack_bf16x2(float lo, float hi) {
 }
 """
 
-# CUDA, sm_90a: raw shared-memory stores, GMMA descriptors and wgmma (the mHC mixing kernel, the
-# attention kernel's first GEMM); every shared address is taken from the kernel's raw buffer `p` and
-# rounded up to 1024 bytes (the 128-byte swizzle repeats every 8 rows of 128 B)
-CUDA_WGMMA = """
-__device__ __forceinline__ unsigned dsv41c_sbase(const void* p) {
-  return (static_cast<unsigned>(__cvta_generic_to_shared(p)) + 1023u) & ~1023u;
-}
-__device__ __forceinline__ void dsv41c_sts128(const void* p, unsigned off, unsigned a, unsigned b, unsigned c,
-                                              unsigned d) {
-  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" :: "r"(dsv41c_sbase(p) + off), "r"(a), "r"(b), "r"(c),
-               "r"(d) : "memory");
-}
-__device__ __forceinline__ void dsv41c_sts64(const void* p, unsigned off, unsigned a, unsigned b) {
-  asm volatile("st.shared.v2.b32 [%0], {%1, %2};" :: "r"(dsv41c_sbase(p) + off), "r"(a), "r"(b) : "memory");
-}
-// K-major operand, 128-byte swizzle: start address >> 4, leading offset unused (1), 1024 B between
-// groups of 8 rows, layout type 1 (B128) in bits 62-63
-__device__ __forceinline__ unsigned long long dsv41c_desc(const void* p, unsigned off) {
-  return (unsigned long long)(((dsv41c_sbase(p) + off) & 0x3FFFFu) >> 4) | (1ull << 16) | (64ull << 32)
-         | (1ull << 62);
-}
-__device__ __forceinline__ void dsv41c_fence_async() {
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-__device__ __forceinline__ void dsv41c_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void dsv41c_wgmma_commit() {
-  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void dsv41c_wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
-"""
-
-
-def cuda_wgmma_fn(n: int) -> str:
-    """`dsv41c_wgmma_n<n>(d, p, a_off, b_off, acc)`: one wgmma m64n<n>k16, bf16 operands from shared
-    memory (descriptors at offsets a_off, b_off of `p`), fp32 accumulator d[0 : n / 2]; acc = 0
-    overwrites d."""
-    k = n // 2
-    outs = ", ".join(f"%{i}" for i in range(k))
-    cons = ", ".join(f'"+f"(d[{i}])' for i in range(k))
-    return f"""
-__device__ __forceinline__ void dsv41c_wgmma_n{n}(float* d, const void* p, unsigned a_off, unsigned b_off, int acc) {{
-  unsigned long long da = dsv41c_desc(p, a_off), db = dsv41c_desc(p, b_off);
-  asm volatile("{{\\n.reg .pred q;\\nsetp.ne.b32 q, %{k + 2}, 0;\\n"
-               "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{outs}}}, %{k}, %{k + 1}, q, 1, 1, 0, 0;\\n}}"
-               : {cons} : "l"(da), "l"(db), "r"(acc) : "memory");
-}}
-"""
-
-
-
 # E2M1 codes to bf16 by bit moves: code nibble j of a 32-bit word (bits 4j..4j+3: sign bit 3,
 # magnitude e1 e0 m) is element j of the word's 8.  Nibbles j and j + 4 go into one bf16x2 word by
 # a shift and a mask: magnitude bits to bf16 bits 8..6 (exponent low bits and the top mantissa bit)
