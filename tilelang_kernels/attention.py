@@ -113,6 +113,11 @@ _MIN_SPLIT_BLOCKS = 1
 # cost (the acc through shared memory, two cluster barriers) outweighs what it saves.
 _PAIR_MIN_BLOCKS = 2
 _PAIR_PAD = 8  # fp32 padding of a row of the shared accumulator copy: conflict-free 8-byte stores
+# items (4 columns of one head from both CTAs, with their maxima and sums) whose distributed shared
+# memory loads the pair merge issues together: 4 makes four dependent rounds of 16 items a thread.
+# The merge of a batch-32 CTA takes about 6,700 cycles (benchmarks/attention.py --trace); 8 and 16
+# (acc is dead by then) build without spills, not yet timed.
+_PAIR_GROUP = 4
 # CUDA combine: partials loaded together, one round trip to L2 a group (`_combine_prim_func`).  At
 # batch 1 (10 partials) 4 makes three dependent trips; a larger group is not yet timed.
 _COMBINE_UNROLL = 4
@@ -779,7 +784,7 @@ def _cuda_prim_func(kind, H, d, scale, split, pair=False):
         r = bj % 2 merges heads 32 r .. 32 r + 31 of both, reading the other's through distributed
         shared memory, m = max(m_0, m_1), acc = acc_0 e^(m_0 - m) + acc_1 e^(m_1 - m), the same for
         the sum; a second barrier keeps each CTA's shared memory alive until the other is done."""
-        rows, G = HB // 2, 4  # heads a CTA merges; items whose loads go out together
+        rows, G = HB // 2, _PAIR_GROUP  # heads a CTA merges; items whose loads go out together
         Xs = T.alloc_shared((HB, d + _PAIR_PAD), f32)  # (the planner places it over the dead tiles)
         Ms = T.alloc_shared((HB,), f32)
         Ls = T.alloc_shared((HB,), f32)
