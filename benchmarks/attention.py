@@ -12,7 +12,7 @@ build, to measure what it costs: "nodecode" turns the packed rows' decode (`dsv4
 stores stay), "nosoftmax" leaves the scores as they are (`dsv41c_softmax_block`: no masks, maxima,
 exponentials, or the exchange between the warpgroups and its barrier; the GEMMs and the copy of P
 stay).
---trace (a diagnostic, no timing): the split kernel built with its phase marks (`_TRACE` in
+--trace (a diagnostic, no timing): the kernel built with its phase marks (`_TRACE` in
 tilelang_kernels/attention.py); one call per batch, then each phase's SM cycles over the CTAs.
 
 One decode step per sequence (S = 1) at the released attention dims: H = 64 heads x d = 512,
@@ -116,14 +116,17 @@ def ablate(part: str) -> None:
 
 
 def trace(batches, context, ratio, lists, g) -> None:
-    """--trace: thread 0 of every CTA of the split kernel records its SM clock at the phase boundaries
-    of one `sparse_attn_packed` call (`_TRACE` in tilelang_kernels/attention.py); prints, per batch,
-    the median and the largest cycles of each phase over the CTAs, and the global timer's spread of
-    the CTAs' starts and ends (the marks' own cost is a store by one thread each)."""
-    buf = torch.zeros(4096, A.TRACE_SLOTS, dtype=torch.int64, device="cuda")
+    """--trace: thread 0 of every CTA of the attention kernel (the split kernel; at batches that fill
+    the SMs, the whole-list one) records its SM clock at the phase boundaries of one
+    `sparse_attn_packed` call (`_TRACE` in tilelang_kernels/attention.py); prints, per batch, the
+    median and the largest cycles of each phase over the CTAs, and the global timer's spread of the
+    CTAs' starts and ends (the marks' own cost is a store by one thread each).  The combine kernel
+    is not traced."""
+    blocks = -(-(WINDOW + TOPK) // A.BLOCK)  # a query's CTAs are at most its list's blocks
+    buf = torch.zeros(max(batches) * blocks * -(-H // 64), A.TRACE_SLOTS, dtype=torch.int64, device="cuda")
     A._TRACE = buf.data_ptr()
     scale = D**-0.5
-    print(f"\ndevice: {torch.cuda.get_device_name()}; the split kernel's phases in SM cycles (thread 0 of each "
+    print(f"\ndevice: {torch.cuda.get_device_name()}; the attention kernel's phases in SM cycles (thread 0 of each "
           f"CTA), one call after warm-ups; context {context // 1024}K\n")
     for batch in batches:
         q, ring, ring_scales, codes, scales, sink, idx = decode_case(batch, context // ratio, lists, g)
@@ -136,7 +139,7 @@ def trace(batches, context, ratio, lists, g) -> None:
         torch.cuda.synchronize()
         t = buf[buf[:, 0] != 0].cpu()
         if not len(t):
-            raise SystemExit(f"batch {batch}: no CTA wrote its trace (a whole-list build? see num_splits)")
+            raise SystemExit(f"batch {batch}: no CTA wrote its trace")
         t0, t1 = t[:, A._TRACE_T0], t[:, A._TRACE_T1]
         ghz = ((t[:, 29] - t[:, 0]).double() / (t1 - t0).double()).median().item()
         print(f"batch {batch}: {len(t)} CTAs on {t[:, A._TRACE_SM].unique().numel()} SMs; global timer: starts "
@@ -172,7 +175,7 @@ def main() -> None:
     ap.add_argument("--ablate", choices=sorted(_ABLATIONS), default=None,
                     help="timing only, wrong outputs: a part of the CUDA kernel replaced (see above)")
     ap.add_argument("--trace", action="store_true",
-                    help="instead of timing: the split kernel's phases in SM cycles, at the first --context")
+                    help="instead of timing: the kernel's phases in SM cycles, at the first --context")
     a = ap.parse_args()
     overrides = tuning(A, a.set)
     if a.ablate:

@@ -121,10 +121,10 @@ _PAIR_GROUP = 4
 # CUDA combine: partials loaded together, one round trip to L2 a group (`_combine_prim_func`).  At
 # batch 1 (10 partials) 4 makes three dependent trips; a larger group is not yet timed.
 _COMBINE_UNROLL = 4
-# CUDA, a timing diagnostic (`benchmarks/attention.py --trace`): 0 (always, but there) or the device
-# address of an int64 buffer [CTAs, TRACE_SLOTS] into which thread 0 of each CTA writes its SM clock
-# (clock64) at the phase boundaries of `attend` (`_TRACE_MARKS`), its SM number and the global timer
-# at its start and end.  0 builds no marks: the lowered source is the kernel's.
+# CUDA, a diagnostic: 0, or (set by `benchmarks/attention.py --trace` before its first build) the
+# device address of an int64 buffer [CTAs, TRACE_SLOTS] into which thread 0 of each CTA writes its SM
+# clock (clock64) at the phase boundaries of `attend` (`_TRACE_MARKS`), its SM number, and the global
+# timer at its start and end.  0 builds no marks: the lowered source is the kernel's.
 _TRACE = 0
 TRACE_SLOTS = 32
 _TRACE_BLOCKS = 4  # blocks of a run whose phases are marked
