@@ -119,7 +119,8 @@ _PAIR_PAD = 8  # fp32 padding of a row of the shared accumulator copy: conflict-
 # (acc is dead by then) build without spills, not yet timed.
 _PAIR_GROUP = 4
 # CUDA combine: partials loaded together, one round trip to L2 a group (`_combine_prim_func`).  At
-# batch 1 (10 partials) 4 makes three dependent trips; a larger group is not yet timed.
+# batch 1 (10 partials) 4 makes three dependent trips; 16 was timed on an H100 (BENCHMARKS.md): no
+# faster at batch 1, 1.2x slower at batch 32.
 _COMBINE_UNROLL = 4
 # CUDA, a diagnostic: 0, or (set by `benchmarks/attention.py --trace` before its first build) the
 # device address of an int64 buffer [CTAs, TRACE_SLOTS] into which thread 0 of each CTA writes its SM
