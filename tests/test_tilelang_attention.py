@@ -641,8 +641,11 @@ def test_trace_marks_every_phase_once_in_time_order(monkeypatch):
                        target=target).kernel_source
     assert f"reinterpret_cast<long long*>({0x7F0012340000}ull)" in source
     body = source[source.index("__global__ void"):]
-    calls = re.findall(r"dsv41c_trace\((.*?)\);\n", body)
-    loop = re.search(r"if \((\w+) < 4\) \{\s*dsv41c_trace", body).group(1)
-    block = [f"(({loop} * 5) + {3 + k})" for k in range(5)]
-    assert calls == ["0", "1", "2", *block, "28", "23", "24", "25", "29"], calls
+    calls = re.findall(r"dsv41c_trace(_timer)?\((.*?)\);\n", body)
+    loop = re.search(r"\((\w+) < 4\)\) \{\s*dsv41c_trace", body).group(1)
+    block = [("", f"(({loop} * 5) + {3 + k})") for k in range(5)]
+    marks = [("", "0"), ("_timer", "30"), ("", "1"), ("", "2"), *block, ("", "28"), ("", "23"), ("", "24"),
+             ("", "25"), ("", "29"), ("_timer", "31")]
+    assert calls == marks, calls
+    assert body.count("dsv41c_trace") == len(marks)
     assert list(A._TRACE_MARKS) == [0, 1, 2, *range(3, 3 + 5 * A._TRACE_BLOCKS), 28, 23, 24, 25, 29]

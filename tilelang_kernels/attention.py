@@ -90,7 +90,7 @@ import torch
 from dsv41c import quant as Q
 from dsv41c.attention import sparse_attn as sparse_attn_ref
 from dsv41c.tilelang_kernels.quant import (CUDA_E2M1_WORDS, CUDA_PACK_BF16X2, _bits, _e2m1_value, _e4m3_value,
-                                            _e8m0_value, _store, compile_for,
+                                            _e8m0_value, _store, compile_for, cuda_trace_prelude,
                                             define_op, kernel_target, rows_buffer)
 
 __all__ = ["BLOCK", "KINDS", "attention_prim_func", "build", "combine_prim_func", "num_splits",
@@ -254,29 +254,6 @@ __device__ __forceinline__ void dsv41c_fp4_row8(const void* codes, unsigned s, v
   *reinterpret_cast<uint4*>(out) = make_uint4(v[0], v[1], v[2], v[3]);
 }
 """
-
-
-def _trace_prelude(addr: int) -> str:
-    """dsv41c_trace(k): thread 0 stores its SM clock in slot k of its CTA's row of the buffer at addr
-    (`_TRACE`); marks 0 and 29 also store the SM number and the global timer."""
-    return r"""
-__device__ __forceinline__ void dsv41c_trace(int k) {
-  if (threadIdx.x != 0) return;
-  long long* row = reinterpret_cast<long long*>(%dull) +
-                   %d * (blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z));
-  long long c;
-  asm volatile("mov.u64 %%0, %%%%clock64;" : "=l"(c) :: "memory");
-  row[k] = c;
-  if (k == 0 || k == 29) {
-    long long g;
-    unsigned sm;
-    asm volatile("mov.u64 %%0, %%%%globaltimer;" : "=l"(g) :: "memory");
-    asm volatile("mov.u32 %%0, %%%%smid;" : "=r"(sm));
-    row[k == 0 ? %d : %d] = g;
-    row[%d] = sm;
-  }
-}
-""" % (addr, TRACE_SLOTS, _TRACE_T0, _TRACE_T1, _TRACE_SM)
 
 
 # CUDA: the online softmax's row reductions by hand (`_SOFTMAX_PRELUDE`).  S [64 heads, 64 entries]
@@ -587,15 +564,19 @@ def _cuda_prim_func(kind, H, d, scale, split, pair=False):
 
     @T.macro
     def mark(k):
-        """The trace's mark k (`_TRACE`; none when it is 0)."""
+        """The trace's mark k by thread 0 (`_TRACE`; none when it is 0); the first and the last
+        marks also take the global timer."""
         if _TRACE:
-            T.call_extern("handle", "dsv41c_trace", k)
+            if T.get_thread_binding() == 0:
+                T.call_extern("handle", "dsv41c_trace", k)
+                if k == 0 or k == 29:
+                    T.call_extern("handle", "dsv41c_trace_timer", _TRACE_T0 if k == 0 else _TRACE_T1)
 
     @T.macro
     def mark_block(i, k):
         """Block i's mark k of 5 (the first `_TRACE_BLOCKS` blocks)."""
         if _TRACE:
-            if i < _TRACE_BLOCKS:
+            if T.get_thread_binding() == 0 and i < _TRACE_BLOCKS:
                 T.call_extern("handle", "dsv41c_trace", 3 + 5 * i + k)
 
     @T.macro
@@ -947,7 +928,7 @@ def _cuda_prim_func(kind, H, d, scale, split, pair=False):
     mpt, lpt = T.Tensor((B, S, NP, H), f32), T.Tensor((B, S, NP, H), f32)
 
     prelude = _SOFTMAX_PRELUDE + ("" if kind == "plain" else _ROW8_PRELUDE + _KINDS_PRELUDE) + \
-        (_trace_prelude(_TRACE) if _TRACE else "")
+        (cuda_trace_prelude(_TRACE, TRACE_SLOTS, _TRACE_SM) if _TRACE else "")
 
     @T.macro
     def run(R):

@@ -69,6 +69,31 @@ __device__ __forceinline__ unsigned dsv41c_pack_bf16x2(float lo, float hi) {
 }
 """
 
+
+def cuda_trace_prelude(addr: int, slots: int, sm_slot: int) -> str:
+    """A diagnostic (the kernel modules' `_TRACE`): dsv41c_trace(k) stores the calling thread's SM
+    clock (clock64) in slot k of its CTA's row of the int64 buffer [CTAs, slots] at device address
+    addr (CTAs in launch order: x fastest); dsv41c_trace_timer(k) stores the global timer (ns) in
+    slot k and the SM number in slot sm_slot.  The kernel calls them from one thread a mark."""
+    return r"""
+__device__ __forceinline__ long long* dsv41c_trace_row() {
+  return reinterpret_cast<long long*>(%dull) + %d * (blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z));
+}
+__device__ __forceinline__ void dsv41c_trace(int k) {
+  long long c;
+  asm volatile("mov.u64 %%0, %%%%clock64;" : "=l"(c) :: "memory");
+  dsv41c_trace_row()[k] = c;
+}
+__device__ __forceinline__ void dsv41c_trace_timer(int k) {
+  long long g;
+  unsigned sm;
+  asm volatile("mov.u64 %%0, %%%%globaltimer;" : "=l"(g) :: "memory");
+  asm volatile("mov.u32 %%0, %%%%smid;" : "=r"(sm));
+  dsv41c_trace_row()[k] = g;
+  dsv41c_trace_row()[%d] = sm;
+}
+""" % (addr, slots, sm_slot)
+
 # E2M1 codes to bf16 by bit moves: code nibble j of a 32-bit word (bits 4j..4j+3: sign bit 3,
 # magnitude e1 e0 m) is element j of the word's 8.  Nibbles j and j + 4 go into one bf16x2 word by
 # a shift and a mask: magnitude bits to bf16 bits 8..6 (exponent low bits and the top mantissa bit)
