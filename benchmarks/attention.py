@@ -53,6 +53,7 @@ from quant import (  # benchmarks/ is the script's path: the codec benchmark's t
     bench,
     bench_graph,
     copy_bandwidth,
+    trace_table,
     tuning,
 )
 
@@ -140,25 +141,8 @@ def trace(batches, context, ratio, lists, g) -> None:
         t = buf[buf[:, 0] != 0].cpu()
         if not len(t):
             raise SystemExit(f"batch {batch}: no CTA wrote its trace")
-        t0, t1 = t[:, A._TRACE_T0], t[:, A._TRACE_T1]
-        ghz = ((t[:, 29] - t[:, 0]).double() / (t1 - t0).double()).median().item()
-        print(f"batch {batch}: {len(t)} CTAs on {t[:, A._TRACE_SM].unique().numel()} SMs; global timer: starts "
-              f"spread over {(t0.max() - t0.min()) / 1e3:.2f} us, ends over {(t1.max() - t1.min()) / 1e3:.2f} us, "
-              f"first start to last end {(t1.max() - t0.min()) / 1e3:.2f} us; SM clock {ghz:.2f} GHz\n")
-        print("| phase (cycles since the previous mark) | CTAs | median | max |")
-        print("|---|---:|---:|---:|")
-        prev = torch.zeros(len(t), dtype=torch.int64)
-        prev_set = torch.zeros(len(t), dtype=torch.bool)
-        for k, what in A._TRACE_MARKS.items():  # (in time order)
-            have = t[:, k] != 0
-            sel = have & prev_set
-            if sel.any():
-                d = (t[sel, k] - prev[sel]).double()
-                print(f"| {what} | {int(sel.sum())} | {d.median().item():.0f} | {d.max().item():.0f} |")
-            prev = torch.where(have, t[:, k], prev)
-            prev_set |= have
-        d = (t[:, 29] - t[:, 0]).double()
-        print(f"| whole CTA | {len(t)} | {d.median().item():.0f} | {d.max().item():.0f} |\n")
+        print(f"batch {batch}: ", end="")
+        trace_table(t, A, 0, 29)
 
 
 def main() -> None:

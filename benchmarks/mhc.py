@@ -2,11 +2,15 @@
 compose dsv41c/mhc.py), `torch.compile` of the same refs, and the memory lower bound.
 
     python3 benchmarks/mhc.py [--dim 5120] [--hc 4] [--tokens 1 64 4096 65536] [--no-compile]
-                               [--set NAME=VALUE ...] [--json OUT.json]
+                               [--set NAME=VALUE ...] [--json OUT.json] [--trace]
 
 --set overrides an integer tuning constant of tilelang_kernels/mhc.py before the first kernel is
 built (for example `--set _WG_TPW=1 --set _WG_KSPLIT=2`), so a variant sweep is a list of
 commands; the table's header repeats the overrides.
+
+--trace (a diagnostic, no timing): the wgmma mixing kernel of pre and post_pre built with phase
+marks (`_TRACE` in tilelang_kernels/mhc.py); one call per op and T, then each phase's SM cycles
+over the CTAs, and how the CTAs' starts and ends spread (waves, tails).
 
 --variant compares tunings side by side in one process instead (repeatable; `default` for none):
 
@@ -41,6 +45,7 @@ from quant import (  # benchmarks/ is the script's path: the codec benchmark's t
     bench_graph,
     capture_graph,
     copy_bandwidth,
+    trace_table,
     tuning,
 )
 
@@ -118,6 +123,33 @@ def measure(op, n, m, d, compiled, copy_gbs, floor_ms):
             "launch_floor_ms": floor_ms, "streams_bit_exact": exact, "mixes_max_abs": mix_err}
 
 
+def trace(ops, tokens, m, d) -> None:
+    """--trace: the wgmma mixing kernel built with its phase marks (`_TRACE` in
+    tilelang_kernels/mhc.py; pre and post_pre); per op and T, one call after warm-ups, then each
+    phase's SM cycles over the CTAs (`trace_table`).  The finalize kernel is not traced."""
+    ops = [op for op in ops if K.column_resident(op, "bfloat16", d)]
+    if not ops:
+        raise SystemExit("--trace: none of --ops runs the wgmma mixing kernel at this --dim (pre, post_pre)")
+    G = d // K._CR_W  # the grid's CTAs: G x at most max(1, waves x SMs // G) token groups
+    buf = torch.zeros(max(G, K._CR_WAVES * K._SMS), K.TRACE_SLOTS, dtype=torch.int64, device="cuda")
+    K._TRACE = buf.data_ptr()
+    print(f"\ndevice: {torch.cuda.get_device_name()}; the mixing kernel's phases in SM cycles, one call after "
+          f"warm-ups; dim {d}, hc {m}\n")
+    for op in ops:
+        kern, _, names, _, _ = OPS[op]
+        for n in tokens:
+            x = inputs(n, m, d)
+            args = tuple(x[k] for k in names)
+            for _ in range(3):
+                kern(*args, **HC)
+            buf.zero_()
+            torch.cuda.synchronize()
+            kern(*args, **HC)
+            torch.cuda.synchronize()
+            print(f"{op}, T = {n}: ", end="")
+            trace_table(buf[buf[:, 0] != 0].cpu(), K, 0, 3)
+
+
 @contextlib.contextmanager
 def variant(assignments: list[str]):
     """The kernel module's tuning constants set as `--set` sets them, for the block only; the build
@@ -182,6 +214,8 @@ def main() -> None:
                     help="a tuning to time side by side with the others (`default`: none); see the docstring")
     ap.add_argument("--rounds", type=int, default=5, help="with --variant: replays of every variant in turn")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--trace", action="store_true",
+                    help="instead of timing: the mixing kernel's phases in SM cycles (pre, post_pre)")
     a = ap.parse_args()
     if a.variant and a.set:
         ap.error("--set and --variant: give the constants in each --variant instead")
@@ -192,6 +226,11 @@ def main() -> None:
     overrides = tuning(K, a.set)
     torch.manual_seed(0)
     m, d = a.hc, a.dim
+    if a.trace:
+        if variants:
+            ap.error("--trace and --variant: trace one build (with --set) at a time")
+        trace(a.ops, a.tokens, m, d)
+        return
     copy_gbs = copy_bandwidth()
     if variants:
         rows = side_by_side(a.ops, a.tokens, m, d, variants, copy_gbs, a.rounds)

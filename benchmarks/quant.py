@@ -101,6 +101,38 @@ def tuning(module, assignments: list[str]) -> dict[str, int]:
     return out
 
 
+def trace_table(rows: torch.Tensor, module, start: int, end: int) -> None:
+    """Print a kernel's phase trace (a kernel module's `_TRACE` buffer, the rows of the CTAs that
+    wrote it, on the host): the CTAs and SMs, the global timer's spread of the CTAs' starts and
+    ends, then per mark the median (of an even count, the lower middle value) and largest SM cycles
+    since the CTA's previous mark, over the CTAs that have both.  The marks are `module._TRACE_CHAINS`, lists of slots in time order (the
+    marks of one thread, or of threads that wait for each other), labelled by `_TRACE_MARKS`; start
+    and end: the slots of the first and the last marks (their global timer: `_TRACE_T0`, `_TRACE_T1`)."""
+    t0, t1 = rows[:, module._TRACE_T0], rows[:, module._TRACE_T1]
+    ghz = ((rows[:, end] - rows[:, start]).double() / (t1 - t0).double()).median().item()
+    late = int((t0 > t1.min()).sum())
+    print(f"{len(rows)} CTAs on {rows[:, module._TRACE_SM].unique().numel()} SMs; global timer: starts spread over "
+          f"{(t0.max() - t0.min()) / 1e3:.2f} us, ends over {(t1.max() - t1.min()) / 1e3:.2f} us, first start to "
+          f"last end {(t1.max() - t0.min()) / 1e3:.2f} us; {late} CTAs started after the first one ended; SM clock "
+          f"{ghz:.2f} GHz\n")
+    print("| phase (cycles since the previous mark) | CTAs | median | max |")
+    print("|---|---:|---:|---:|")
+    for chain in module._TRACE_CHAINS:
+        prev = torch.zeros(len(rows), dtype=torch.int64)
+        prev_set = torch.zeros(len(rows), dtype=torch.bool)
+        for k in chain:
+            have = rows[:, k] != 0
+            sel = have & prev_set
+            if sel.any():
+                d = (rows[sel, k] - prev[sel]).double()
+                print(f"| {module._TRACE_MARKS[k]} | {int(sel.sum())} | {d.median().item():.0f} | "
+                      f"{d.max().item():.0f} |")
+            prev = torch.where(have, rows[:, k], prev)
+            prev_set |= have
+    d = (rows[:, end] - rows[:, start]).double()
+    print(f"| whole CTA | {len(rows)} | {d.median().item():.0f} | {d.max().item():.0f} |\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=1 << 20)

@@ -649,3 +649,36 @@ def test_trace_marks_every_phase_once_in_time_order(monkeypatch):
     assert calls == marks, calls
     assert body.count("dsv41c_trace") == len(marks)
     assert list(A._TRACE_MARKS) == [0, 1, 2, *range(3, 3 + 5 * A._TRACE_BLOCKS), 28, 23, 24, 25, 29]
+
+
+def test_trace_table_measures_each_mark_from_the_previous_one_of_its_chain(monkeypatch, capsys):
+    """benchmarks/quant.py trace_table on a hand-made trace of two CTAs of the attention kernel, one
+    of three blocks and one of one: each phase is the cycles since the CTA's previous mark (block 1's
+    marks only where the CTA has them; the loop's end from each CTA's last block), and the CTA count,
+    the SMs and the timer's spreads come from their slots."""
+    import sys
+    from pathlib import Path
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    monkeypatch.delitem(sys.modules, "quant", raising=False)
+    from quant import trace_table
+    rows = torch.zeros(2, A.TRACE_SLOTS, dtype=torch.int64)
+    for cta, nblocks in ((0, 3), (1, 1)):
+        clock = 1000 + 7 * cta
+        marks = [0, 1, 2, *range(3, 3 + 5 * nblocks), 28, 29]
+        for k in marks:
+            rows[cta, k] = clock
+            clock += 10 * (k + 1)  # the phase ending at the next mark: 10 (its slot + 1) cycles
+        rows[cta, A._TRACE_SM] = 5 + cta
+        rows[cta, A._TRACE_T0], rows[cta, A._TRACE_T1] = 2000 + 100 * cta, 3000 + 500 * cta
+    trace_table(rows, A, 0, 29)
+    out = capsys.readouterr().out
+    assert out.startswith("2 CTAs on 2 SMs; global timer: starts spread over 0.10 us, ends over 0.50 us, "
+                          "first start to last end 1.50 us; 0 CTAs started after the first one ended"), out
+    lines = {ln.split(" | ")[0].lstrip("| "): ln.split(" | ")[1:] for ln in out.splitlines() if ln.startswith("| ")}
+    assert lines["the first row numbers set"] == ["2", "10", "10 |"]  # mark 0's phase, both CTAs
+    assert lines["block 0: copies landed"] == ["2", "30", "30 |"]  # after mark 2
+    assert lines["block 1: copies landed"] == ["1", "80", "80 |"]  # after block 0's GEMM2 (mark 7)
+    # the loop's end: after block 2's GEMM2 (mark 17: 180) and after block 0's (mark 7: 80); the
+    # median of an even count is the lower middle value (torch's)
+    assert lines["the loop's end (sums totalled)"] == ["2", "80", "180 |"]
+    assert lines["the partial or o written"] == ["2", "290", "290 |"]

@@ -277,6 +277,7 @@ def test_cuda_wgmma_kernel_lowers_for_sm90(kind, tuning, monkeypatch):
     assert f"wgmma.mma_async.sync.aligned.m64n{blk}k16.f32.bf16.bf16" in src
     body = src[src.index("__global__ void __launch_bounds__"):]
     assert body.count(f"dsv41c_wgmma_n{blk}(") == 1 and body.count("dsv41c_wgmma_commit()") == 1
+    assert "dsv41c_trace" not in src  # (no trace marks unless `_TRACE` is set)
     assert "__shfl_sync((uint)4294967295, (((int)threadIdx.x) >> 7), 0)" in body
     threads = 32 * blk // K._WG_TPW + 128
     assert f"__launch_bounds__({threads}, 1)" in body
@@ -301,6 +302,31 @@ def test_cuda_wgmma_kernel_lowers_for_sm90(kind, tuning, monkeypatch):
     assert "cvt.rn.bf16x2.f32" in src  # two values rounded into one word of the stream
     # the expand and collapse: an IEEE multiply and add a term, no fused multiply-add
     assert "__fmul_rn" in src and "__fadd_rn" in src and "__fmaf_rn" not in src
+
+
+@pytest.mark.parametrize("kind", ("pre", "post_pre"))
+def test_cuda_wgmma_kernel_trace_marks(kind, monkeypatch):
+    """benchmarks/mhc.py --trace: with `_TRACE` set to a buffer address, thread 0 (the first
+    streaming warp) marks the start, the setup and its blocks, and the GEMM warpgroup's first thread
+    its epilogues and its end, each mark once in the source; the two chains of marks are every mark
+    once, and the slots fit a CTA's row."""
+    import re
+    monkeypatch.setattr(K, "_TRACE", 0x7F0012340000)
+    src = _sm90_source(kind, "bfloat16")
+    assert f"reinterpret_cast<long long*>({0x7F0012340000}ull)" in src
+    body = src[src.index("__global__ void __launch_bounds__"):]
+    gemm = 32 * K._WG_BLK // K._WG_TPW  # the GEMM warpgroup's first thread
+    guards = re.findall(r"if \(\(*\(\(int\)threadIdx\.x\) == (\d+)\)[^{]*\{\s*dsv41c_trace\((.*?)\);", body)
+    by_thread = {}
+    for thread, slot in guards:
+        by_thread.setdefault(int(thread), []).append(slot)
+    assert by_thread[0][:2] == ["0", "1"] and by_thread[0][-1] == "2", by_thread
+    assert len(by_thread[0]) == 2 + (K._WG_AHEAD_PRE if kind == "pre" else K._WG_AHEAD_POST_PRE) + 1 + 1
+    assert by_thread[gemm] == ["(i + 20)", "3"], by_thread
+    assert body.count("dsv41c_trace_timer(") == 2
+    chained = [k for chain in K._TRACE_CHAINS for k in chain]
+    assert sorted(set(chained)) == sorted(K._TRACE_MARKS) and len(chained) == len(K._TRACE_MARKS) + 1
+    assert max([*K._TRACE_MARKS, K._TRACE_SM, K._TRACE_T0, K._TRACE_T1]) < K.TRACE_SLOTS
 
 
 @pytest.mark.parametrize("tuning", ({"_WG_BLK": 20}, {"_WG_TPW": 8}, {"_WG_KSPLIT": 3}, {"_WG_AHEAD_PRE": 0},

@@ -138,6 +138,7 @@ _TRACE_MARKS = {0: "start", 1: "the first row numbers set", 2: "the first copies
                 24: "pair merge: the cluster barrier", 25: "pair merge: the merged partial stored",
                 29: "the partial or o written"}
 _TRACE_SM, _TRACE_T0, _TRACE_T1 = 27, 30, 31  # slots: SM number; global timer (ns) at marks 0 and 29
+_TRACE_CHAINS = [list(_TRACE_MARKS)]  # (one thread marks them all)
 
 # The cluster barrier and the loads from the other CTA's shared memory (mapa + ld.shared::cluster)
 # of the pair merge (`_PAIR_MIN_BLOCKS`).

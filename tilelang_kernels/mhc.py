@@ -98,6 +98,7 @@ from dsv41c.tilelang_kernels.quant import (
     _bits,
     _store,
     compile_for,
+    cuda_trace_prelude,
     define_op,
     device_target,
 )
@@ -143,6 +144,23 @@ _WG_GEMM_REGS = 88
 # post_pre from 76% to 65% (its three sets spill).
 _WG_AHEAD_PRE = 2
 _WG_AHEAD_POST_PRE = 1
+# CUDA, a diagnostic: 0, or (set by `benchmarks/mhc.py --trace` before its first build) the device
+# address of an int64 buffer [CTAs, TRACE_SLOTS] into which the wgmma mixing kernel writes SM clocks
+# (clock64) at the marks of `_TRACE_MARKS`: thread 0 (the first streaming warp) at the start, after
+# the setup and after each of its first 16 blocks' streaming; the GEMM warpgroup's first thread after
+# each of its first 8 blocks' epilogues and at its end; with the global timer at the start and the
+# end.  0 builds no marks: the lowered source is the kernel's.
+_TRACE = 0
+TRACE_SLOTS = 32
+_TRACE_STREAM_BLOCKS, _TRACE_GEMM_BLOCKS = 16, 8
+_TRACE_MARKS = {0: "start", 1: "fn's slice in shared memory (setup)",
+                **{4 + i: f"streaming: block {i}" for i in range(_TRACE_STREAM_BLOCKS)},
+                2: "streaming: the last block",
+                **{20 + i: f"GEMM warpgroup: block {i}'s epilogue" for i in range(_TRACE_GEMM_BLOCKS)},
+                3: "GEMM warpgroup: the last epilogue"}
+_TRACE_SM, _TRACE_T0, _TRACE_T1 = 28, 30, 31  # slots: SM number; global timer (ns) at marks 0 and 3
+# the streaming thread's marks; the GEMM warpgroup's, after the setup's barrier
+_TRACE_CHAINS = [[0, 1, *range(4, 4 + _TRACE_STREAM_BLOCKS), 2], [1, *range(20, 20 + _TRACE_GEMM_BLOCKS), 3]]
 
 
 def column_resident(kind: str, dtype: str, D: int) -> bool:
@@ -1033,7 +1051,8 @@ def _cuda_wg_prim_func(kind, m, D):
     ncv = -(-ncoef // 32)
     mb = L.a_bytes + 2 * L.b_bytes  # the mbarriers full[0], full[1], empty[0], empty[1], 8 bytes each
     mul, add = _arith(True)
-    prelude = CUDA_PACK_BF16X2 + _RUNNING_ADDRS + _WGMMA_PRELUDE + _MBAR_PRELUDE + _wgmma_fn(BLK) + "".join(
+    prelude = (cuda_trace_prelude(_TRACE, TRACE_SLOTS, _TRACE_SM) if _TRACE else "") + \
+        CUDA_PACK_BF16X2 + _RUNNING_ADDRS + _WGMMA_PRELUDE + _MBAR_PRELUDE + _wgmma_fn(BLK) + "".join(
         f"""
 __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("setmaxnreg.{op}.sync.aligned.u32 {r};"); }}
 """ for op, r in (("dec", _WG_GEMM_REGS), ("inc", r_st)))
@@ -1202,9 +1221,27 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
         T.call_extern("handle", "dsv41c_wgmma_commit")
 
     @T.macro
+    def mark(k, who, timer=None):
+        """The trace's mark k by thread `who` (`_TRACE`; none when it is 0), with the global timer
+        into slot `timer`."""
+        if _TRACE:
+            if T.get_thread_binding() == who:
+                T.call_extern("handle", "dsv41c_trace", k)
+                if timer is not None:
+                    T.call_extern("handle", "dsv41c_trace_timer", timer)
+
+    @T.macro
+    def mark_block(i, first, n, who):
+        """Block i's mark (slot first + i) by thread `who`, for the first n blocks."""
+        if _TRACE:
+            if T.get_thread_binding() == who and i < n:
+                T.call_extern("handle", "dsv41c_trace", first + i)
+
+    @T.macro
     def body(B):
         with T.Kernel(G, T.min(T.ceildiv(N, BLK), pmax), threads=nth, prelude=prelude) as (bg, bp):
             tx = T.get_thread_binding()
+            mark(0, 0, _TRACE_T0)
             TCU.pdl_trigger()  # the finalize kernel may launch once every CTA of this one has started
             SMB = T.alloc_shared((L.smem // 4 + 8,), "uint32")  # + the four mbarriers
             Cos = T.alloc_shared((2, BLK, ncf), "float32")
@@ -1283,6 +1320,7 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
                     T.call_extern("handle", "dsv41c_mbar_init", sm, mb + 16 + 8 * b, 128)
             T.call_extern("handle", "dsv41c_fence_async")
             T.sync_threads()  # fn^T in place; the first block's coefficients
+            mark(1, 0)
             if wg == gw:  # the GEMM warpgroup: each block's wgmma, as soon as its B tile is written
                 if r_st > r0:
                     T.call_extern("handle", f"dsv41c_setmaxnreg_dec{_WG_GEMM_REGS}")
@@ -1293,6 +1331,8 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
                     T.call_extern("handle", "dsv41c_wgmma_wait")
                     epilogue(B, R, bp + i * PV, i % 2, tx - 128 * gw, bg)
                     T.call_extern("handle", "dsv41c_mbar_arrive", sm, mb + 16 + 8 * (i % 2))
+                    mark_block(i, 20, _TRACE_GEMM_BLOCKS, 128 * gw)
+                mark(3, 128 * gw, _TRACE_T1)
             else:
                 if r_st > r0:
                     T.call_extern("handle", f"dsv41c_setmaxnreg_inc{r_st}")
@@ -1301,6 +1341,8 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
                         if i3 * (AH + 1) + si < nb:
                             stream_block(B, R, i3 * (AH + 1) + si, bp + (i3 * (AH + 1) + si) * PV, nb, PV, X, cv,
                                          q, lane, tx, sm, si)
+                            mark_block(i3 * (AH + 1) + si, 4, _TRACE_STREAM_BLOCKS, 0)
+                mark(2, 0)
 
     return names, _prim_func(names, S, body).with_attr(NO_SYNC_ATTR, 1)
 
