@@ -375,6 +375,45 @@ def test_cuda_build_lowers_for_sm90a(kind, split, tmp_path):
     assert re.search(r"\b0 bytes spill stores", out.stderr), out.stderr[-2000:]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name,value", [("_Q_TMA", 1), ("_PAIR_GROUP", 16)])
+def test_prepared_variants_lower_for_sm90a(name, value, monkeypatch, tmp_path):
+    """Without a GPU: the prepared (untimed) variants of the split kernel with the pair merge lower
+    for sm_90a with what they change (q's tile by TMA boxes behind one mbarrier, and no cp.async of
+    q; the merge's loads in one group of 16 items), and compile without spills where nvcc is found."""
+    import os
+    import re
+    import shutil
+    import subprocess
+
+    import tilelang
+    import tvm
+    from tilelang.engine import lower
+    monkeypatch.setattr(A, name, value)
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+    with target:
+        source = lower(A.attention_prim_func("packed_fp8", "bfloat16", 64, 512, 512**-0.5, "cuda", True, True),
+                       target=target).kernel_source
+    body = source[source.index("__global__ void"):]
+    if name == "_Q_TMA":
+        assert "tl::tma_load(Q__desc" in body and body.count(".wait(0);") == 1
+        assert not re.search(r"cp_async_gs<16>\(\(&\(\(\(bfloat16_t\*\)Qs\)", body)
+    else:
+        # one group: the loads of 16 items (both CTAs' max, sum and 4 columns each) in one loop
+        assert re.search(r"for \(int (k_\d+) = 0; \1 < 16; \+\+\1\) \{\s*#pragma unroll\s*"
+                         r"for \(int j = 0; j < 2; \+\+j\) \{\s*ml\[[^\n]*dsv41c_ld_peer", body)
+    nvcc = shutil.which("nvcc") or shutil.which("nvcc", path="/usr/local/cuda/bin")
+    if not nvcc:
+        return
+    root = os.path.dirname(tilelang.__file__)
+    (tmp_path / "k.cu").write_text(source)
+    out = subprocess.run([nvcc, "-cubin", "-arch=sm_90a", "-std=c++17", "-O3", "-DENABLE_BF16", "-w", "-Xptxas", "-v",
+                          f"-I{root}/src", f"-I{root}/3rdparty/cutlass/include", "-o", str(tmp_path / "k.cubin"),
+                          str(tmp_path / "k.cu")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert re.search(r"\b0 bytes spill stores", out.stderr), out.stderr[-2000:]
+
+
 def test_combine_launch_for_sm90a():
     """Without a GPU: the combine kernel is launched programmatically (the tag in its launch
     parameters) and waits for the split kernel's partials before it reads any. (The split
