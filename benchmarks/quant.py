@@ -105,9 +105,10 @@ def trace_table(rows: torch.Tensor, module, start: int, end: int) -> None:
     """Print a kernel's phase trace (a kernel module's `_TRACE` buffer, the rows of the CTAs that
     wrote it, on the host): the CTAs and SMs, the global timer's spread of the CTAs' starts and
     ends, then per mark the median (of an even count, the lower middle value) and largest SM cycles
-    since the CTA's previous mark, over the CTAs that have both.  The marks are `module._TRACE_CHAINS`, lists of slots in time order (the
-    marks of one thread, or of threads that wait for each other), labelled by `_TRACE_MARKS`; start
-    and end: the slots of the first and the last marks (their global timer: `_TRACE_T0`, `_TRACE_T1`)."""
+    since the CTA's previous mark, over the CTAs that have both.  The marks are
+    `module._TRACE_CHAINS`, lists of slots in time order (the marks of one thread, or of threads
+    that wait for each other), labelled by `_TRACE_MARKS`; start and end: the slots of the first
+    and the last marks (their global timer: `_TRACE_T0`, `_TRACE_T1`)."""
     t0, t1 = rows[:, module._TRACE_T0], rows[:, module._TRACE_T1]
     ghz = ((rows[:, end] - rows[:, start]).double() / (t1 - t0).double()).median().item()
     late = int((t0 > t1.min()).sum())
