@@ -91,7 +91,7 @@ from dsv41c import quant as Q
 from dsv41c.attention import sparse_attn as sparse_attn_ref
 from dsv41c.tilelang_kernels.quant import (CUDA_E2M1_WORDS, CUDA_PACK_BF16X2, _bits, _e2m1_value, _e4m3_value,
                                             _e8m0_value, _store, compile_for, cuda_trace_prelude,
-                                            define_op, kernel_target, rows_buffer)
+                                            define_op, kernel_target, rows_buffer, trace_macros)
 
 __all__ = ["BLOCK", "KINDS", "attention_prim_func", "build", "combine_prim_func", "num_splits",
            "packed_head_dim_problem", "pair_merged", "sparse_attn", "sparse_attn_packed",
@@ -568,22 +568,11 @@ def _cuda_prim_func(kind, H, d, scale, split, pair=False):
         # around every copy; the waits and barriers here are explicit (attend)
         return T.call_extern("handle", f"tl::cp_async_gs<{n}>", T.address_of(dst), T.address_of(src))
 
-    @T.macro
-    def mark(k):
-        """The trace's mark k by thread 0 (`_TRACE`; none when it is 0); the first and the last
-        marks also take the global timer."""
-        if _TRACE:
-            if T.get_thread_binding() == 0:
-                T.call_extern("handle", "dsv41c_trace", k)
-                if k == 0 or k == 29:
-                    T.call_extern("handle", "dsv41c_trace_timer", _TRACE_T0 if k == 0 else _TRACE_T1)
+    mark, mark_first = trace_macros(bool(_TRACE))  # (thread 0 marks every phase)
 
-    @T.macro
     def mark_block(i, k):
         """Block i's mark k of 5 (the first `_TRACE_BLOCKS` blocks)."""
-        if _TRACE:
-            if T.get_thread_binding() == 0 and i < _TRACE_BLOCKS:
-                T.call_extern("handle", "dsv41c_trace", 3 + 5 * i + k)
+        return mark_first(i, 3 + 5 * i + k, _TRACE_BLOCKS)
 
     @T.macro
     def issue(R, stage, stage_s, rowS, buf, bb, tx):
@@ -844,7 +833,7 @@ def _cuda_prim_func(kind, H, d, scale, split, pair=False):
         # redone in the loop, there a 64-bit one (a subroutine call) inside the list-entry index
         blk0 = T.alloc_var("int32")
         nb = T.alloc_var("int32")
-        mark(0)
+        mark(0, timer=_TRACE_T0)
         blk0 = bj * T.ceildiv(T.ceildiv(K, BLOCK), NS) if split else 0
         nb = T.max(T.min(T.ceildiv(T.ceildiv(K, BLOCK), NS), T.ceildiv(K, BLOCK) - blk0), 0) if split \
             else T.ceildiv(K, BLOCK)
@@ -927,7 +916,7 @@ def _cuda_prim_func(kind, H, d, scale, split, pair=False):
                 for h, c in T.Parallel(HB, d):
                     if bh * HB + h < H:
                         R["O"][bb, bs, bh * HB + h, c] = T.Cast(bf, acc[h, c])
-        mark(29)
+        mark(29, timer=_TRACE_T1)
 
     qt, st, it = T.Tensor((B, S, H, d), bf), T.Tensor((H,), f32), T.Tensor((B, S, K), "int32")
     wt = T.Tensor((B, N, d), "uint8" if kind == "packed_fp8" else bf)

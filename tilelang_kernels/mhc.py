@@ -101,6 +101,7 @@ from dsv41c.tilelang_kernels.quant import (
     cuda_trace_prelude,
     define_op,
     device_target,
+    trace_macros,
 )
 
 from dsv41c import mhc
@@ -1220,28 +1221,13 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
                               0 if s == 0 else 1)
         T.call_extern("handle", "dsv41c_wgmma_commit")
 
-    @T.macro
-    def mark(k, who, timer=None):
-        """The trace's mark k by thread `who` (`_TRACE`; none when it is 0), with the global timer
-        into slot `timer`."""
-        if _TRACE:
-            if T.get_thread_binding() == who:
-                T.call_extern("handle", "dsv41c_trace", k)
-                if timer is not None:
-                    T.call_extern("handle", "dsv41c_trace_timer", timer)
-
-    @T.macro
-    def mark_block(i, first, n, who):
-        """Block i's mark (slot first + i) by thread `who`, for the first n blocks."""
-        if _TRACE:
-            if T.get_thread_binding() == who and i < n:
-                T.call_extern("handle", "dsv41c_trace", first + i)
+    mark, mark_first = trace_macros(bool(_TRACE))
 
     @T.macro
     def body(B):
         with T.Kernel(G, T.min(T.ceildiv(N, BLK), pmax), threads=nth, prelude=prelude) as (bg, bp):
             tx = T.get_thread_binding()
-            mark(0, 0, _TRACE_T0)
+            mark(0, timer=_TRACE_T0)
             TCU.pdl_trigger()  # the finalize kernel may launch once every CTA of this one has started
             SMB = T.alloc_shared((L.smem // 4 + 8,), "uint32")  # + the four mbarriers
             Cos = T.alloc_shared((2, BLK, ncf), "float32")
@@ -1320,7 +1306,7 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
                     T.call_extern("handle", "dsv41c_mbar_init", sm, mb + 16 + 8 * b, 128)
             T.call_extern("handle", "dsv41c_fence_async")
             T.sync_threads()  # fn^T in place; the first block's coefficients
-            mark(1, 0)
+            mark(1)
             if wg == gw:  # the GEMM warpgroup: each block's wgmma, as soon as its B tile is written
                 if r_st > r0:
                     T.call_extern("handle", f"dsv41c_setmaxnreg_dec{_WG_GEMM_REGS}")
@@ -1331,7 +1317,7 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
                     T.call_extern("handle", "dsv41c_wgmma_wait")
                     epilogue(B, R, bp + i * PV, i % 2, tx - 128 * gw, bg)
                     T.call_extern("handle", "dsv41c_mbar_arrive", sm, mb + 16 + 8 * (i % 2))
-                    mark_block(i, 20, _TRACE_GEMM_BLOCKS, 128 * gw)
+                    mark_first(i, 20 + i, _TRACE_GEMM_BLOCKS, 128 * gw)
                 mark(3, 128 * gw, _TRACE_T1)
             else:
                 if r_st > r0:
@@ -1341,8 +1327,8 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
                         if i3 * (AH + 1) + si < nb:
                             stream_block(B, R, i3 * (AH + 1) + si, bp + (i3 * (AH + 1) + si) * PV, nb, PV, X, cv,
                                          q, lane, tx, sm, si)
-                            mark_block(i3 * (AH + 1) + si, 4, _TRACE_STREAM_BLOCKS, 0)
-                mark(2, 0)
+                            mark_first(i3 * (AH + 1) + si, 4 + i3 * (AH + 1) + si, _TRACE_STREAM_BLOCKS)
+                mark(2)
 
     return names, _prim_func(names, S, body).with_attr(NO_SYNC_ATTR, 1)
 

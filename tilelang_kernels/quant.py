@@ -70,6 +70,29 @@ __device__ __forceinline__ unsigned dsv41c_pack_bf16x2(float lo, float hi) {
 """
 
 
+def trace_macros(on: bool):
+    """The marks of a kernel's trace (`cuda_trace_prelude`), as TileLang macros: mark(k, who=0,
+    timer=None), thread `who` stores its SM clock in slot k (and the global timer in slot `timer`);
+    mark_first(i, k, n, who=0), the same for slot k while i < n (a loop's first n iterations).
+    on False (the kernel module's `_TRACE` is 0): both emit nothing."""
+
+    @T.macro
+    def mark(k, who=0, timer=None):
+        if on:
+            if T.get_thread_binding() == who:
+                T.call_extern("handle", "dsv41c_trace", k)
+                if timer is not None:
+                    T.call_extern("handle", "dsv41c_trace_timer", timer)
+
+    @T.macro
+    def mark_first(i, k, n, who=0):
+        if on:
+            if T.get_thread_binding() == who and i < n:
+                T.call_extern("handle", "dsv41c_trace", k)
+
+    return mark, mark_first
+
+
 def cuda_trace_prelude(addr: int, slots: int, sm_slot: int) -> str:
     """A diagnostic (the kernel modules' `_TRACE`): dsv41c_trace(k) stores the calling thread's SM
     clock (clock64) in slot k of its CTA's row of the int64 buffer [CTAs, slots] at device address
