@@ -153,6 +153,11 @@ _WG_AHEAD_POST_PRE = 1
 # end.  0 builds no marks: the lowered source is the kernel's.
 _TRACE = 0
 TRACE_SLOTS = 32
+# CUDA finalize: 1 sums the workspace's K partials by 8 lanes a token row, a 16-byte vector each (the
+# K loads of a lane independent and coalesced), through shared memory rows of `_FIN_ROW` floats
+# (36: each row 4 banks on), instead of each row lane's scalar loads of its own coefficients
+_FIN_STAGED = 0
+_FIN_ROW = 36
 _TRACE_STREAM_BLOCKS, _TRACE_GEMM_BLOCKS = 16, 8
 _TRACE_MARKS = {0: "start", 1: "fn's slice in shared memory (setup)",
                 **{4 + i: f"streaming: block {i}" for i in range(_TRACE_STREAM_BLOCKS)},
@@ -1376,6 +1381,7 @@ def _cuda_finalize_prim_func(m, D, norm_eps, hc_eps, iters, splits=None):
     lanes = [1 << b for b in range(mp.bit_length() - 1)]  # xor offsets over the token's lanes (i)
     cols = list(range(m))  # (a list: unrolled at trace time)
     threads = 128
+    tpc = threads // mp  # tokens per CTA
     eps = _f32_const(hc_eps)
 
     def zero_padded(c):
@@ -1397,9 +1403,44 @@ def _cuda_finalize_prim_func(m, D, norm_eps, hc_eps, iters, splits=None):
                 c[j] = T.float32(0)
             for u in [0, 1, 2]:
                 v[u] = T.float32(0)
+            if _FIN_STAGED:
+                # the K partial sums of the CTA's tokens' rows by 8 lanes a row (a 16-byte vector of
+                # the row's 32 floats each, all K loads of a lane independent), in order, into S;
+                # then each lane reads its own from S
+                S = T.alloc_shared((tpc, _FIN_ROW), "float32")
+                npass = tpc * 8 // threads  # the CTA's rows, in passes of threads / 8
+                fly = min(2, npass)  # the rows a lane has in flight, all their K loads
+                a = T.alloc_local((fly, 4), "float32")
+                w = T.alloc_local((fly, 4), "float32")
+                for g0 in range(0, npass, fly):
+                    for p in T.unroll(fly):
+                        # (a row past N reads row N - 1 and is not stored: no branch between the loads)
+                        tg = T.min(bx * tpc + (g0 + p) * (threads // 8) + tx // 8, N - 1)
+                        for e in T.vectorized(4):
+                            a[p, e] = B["WS"][0, tg, tx % 8 * 4 + e]
+                    for k in ks():
+                        for p in T.unroll(fly):
+                            tg = T.min(bx * tpc + (g0 + p) * (threads // 8) + tx // 8, N - 1)
+                            for e in T.vectorized(4):
+                                w[p, e] = B["WS"][k, tg, tx % 8 * 4 + e]
+                            for e in T.unroll(4):
+                                a[p, e] = a[p, e] + w[p, e]
+                    for p in T.unroll(fly):
+                        tl = (g0 + p) * (threads // 8) + tx // 8
+                        if bx * tpc + tl < N:
+                            for e in T.unroll(4):
+                                S[tl, tx % 8 * 4 + e] = a[p, e]
+                T.sync_threads()
+                if t < N:
+                    v[2] = S[tx // mp, mix]
+                    if i < m:
+                        for j in cols:
+                            c[j] = S[tx // mp, 2 * m + i * m + j]
+                        v[0] = S[tx // mp, i]
+                        v[1] = S[tx // mp, m + i]
             # the K partial sums in order (every lane runs the shuffles below, also past N: their
             # values are never stored)
-            if t < N:
+            elif t < N:
                 v[2] = B["WS"][0, t, mix]
                 for k in ks():
                     v[2] = v[2] + B["WS"][k, t, mix]
