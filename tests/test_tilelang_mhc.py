@@ -255,6 +255,17 @@ WG_TUNINGS = ({}, {"_WG_KSPLIT": 2}, {"_WG_TPW": 1}, {"_WG_BLK": 24, "_WG_TPW": 
               {"_WG_AHEAD_PRE": 1, "_WG_AHEAD_POST_PRE": 2}, {"_WG_BLK": 24, "_WG_TPW": 2})
 
 
+@pytest.fixture
+def rebuilt():
+    """For a test that changes a tuning: the builds, and the launch plans that hold them, are cached
+    per op key, which does not name the tuning; cleared before and after."""
+    K.build.cache_clear()
+    K._plan.cache_clear()
+    yield
+    K.build.cache_clear()
+    K._plan.cache_clear()
+
+
 def _wg_tuning(monkeypatch, **tuning):
     for name, value in tuning.items():
         monkeypatch.setattr(K, name, value)
@@ -510,65 +521,47 @@ def test_cuda_column_resident_matches_refs(kind):
 @cuda
 @pytest.mark.parametrize("tuning", WG_TUNINGS[1:], ids=lambda t: ",".join(f"{k}={v}" for k, v in t.items()))
 @pytest.mark.parametrize("kind", ("pre", "post_pre"))
-def test_cuda_wgmma_kernel_tunings_match_refs(kind, tuning, monkeypatch):
+def test_cuda_wgmma_kernel_tunings_match_refs(kind, tuning, monkeypatch, rebuilt):
     """Every other tuning of the column-resident wgmma kernel against the refs (the default: the
     test above), D = 5120, T = 7 and 4099 (a last block of 3 tokens)."""
     _wg_tuning(monkeypatch, **tuning)
-    K.build.cache_clear()  # builds, and the launch plans that hold them, are cached per op key,
-    K._plan.cache_clear()  # which does not name the tuning
-    try:
-        for n in (7, 4099):
-            check(kind, torch.bfloat16, n, 5120, "cuda")
-    finally:
-        K.build.cache_clear()
-        K._plan.cache_clear()
+    for n in (7, 4099):
+        check(kind, torch.bfloat16, n, 5120, "cuda")
 
 
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("kind", ("pre", "post_pre"))
-def test_cuda_linear_plan_matches_refs(kind, monkeypatch):
+def test_cuda_linear_plan_matches_refs(kind, monkeypatch, rebuilt):
     """`_CR_LINEAR = 1` against the refs, D = 5120: T = 1 and 7 (one item a CTA), 64, 300 (runs of
     one to three items, some across a column group), 4099 (runs of about 39 blocks, the last block
     of 3 tokens) and 20000; streams bit-exact, mixes within the bound."""
     monkeypatch.setattr(K, "_CR_LINEAR", 1)
-    K.build.cache_clear()
-    K._plan.cache_clear()
-    try:
-        for n in (1, 7, 64, 300, 4099, 20000):
-            check(kind, torch.bfloat16, n, 5120, "cuda")
-    finally:
-        K.build.cache_clear()
-        K._plan.cache_clear()
+    for n in (1, 7, 64, 300, 4099, 20000):
+        check(kind, torch.bfloat16, n, 5120, "cuda")
 
 
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("kind", ("pre", "post_pre"))
-def test_cuda_staged_finalize_matches(kind, monkeypatch):
+def test_cuda_staged_finalize_matches(kind, monkeypatch, rebuilt):
     """`_FIN_STAGED = 1` against the default finalize on the same inputs: the same K partials
     summed in the same order, so the same bits (pre, post, comb); both mixing kernels (bf16 at
-    D = 5120: K = 20 fixed at build; fp32: K per call), m = 1-4, T = 1, 7 and 4099 (a last CTA
-    of 3 tokens); and once against the refs."""
-    def run(staged, a, m):
+    D = 5120: K = 20 fixed at build; fp32: K per call), m = 1, 3 and 4, T = 1, 7 and 4099 (a last
+    CTA of 3 tokens); and once against the refs."""
+    cases = [(dtype, d, m, n, fresh_seed()) for dtype, d, m in ((torch.bfloat16, 5120, 4), (torch.float32, 5120, 4),
+                                                                (torch.bfloat16, 512, 1), (torch.bfloat16, 512, 3))
+             for n in (1, 7, 4099)]
+    outs = []
+    for staged in (0, 1):
         monkeypatch.setattr(K, "_FIN_STAGED", staged)
         K.build.cache_clear()
         K._plan.cache_clear()
-        return call(kind, a, "cuda")
-
-    try:
-        for dtype, d, m in ((torch.bfloat16, 5120, 4), (torch.float32, 5120, 4), (torch.bfloat16, 512, 1),
-                            (torch.bfloat16, 512, 2), (torch.bfloat16, 512, 3)):
-            for n in (1, 7, 4099):
-                seed = fresh_seed()
-                a = make_inputs(n, m, d, dtype, seed)
-                want, got = run(0, a, m), run(1, a, m)
-                for i, (g, w) in enumerate(zip(got, want, strict=True)):
-                    assert torch.equal(g, w), f"{kind} {dtype} m={m} T={n}, seed {seed}: output {i} differs"
-        check(kind, torch.bfloat16, 4099, 5120, "cuda")
-    finally:
-        K.build.cache_clear()
-        K._plan.cache_clear()
+        outs.append([call(kind, make_inputs(n, m, d, dtype, seed), "cuda") for dtype, d, m, n, seed in cases])
+    for (dtype, _, m, n, seed), want, got in zip(cases, *outs, strict=True):
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert torch.equal(g, w), f"{kind} {dtype} m={m} T={n}, seed {seed}: output {i} differs"
+    check(kind, torch.bfloat16, 4099, 5120, "cuda")
 
 
 @pytest.mark.gpu

@@ -1344,28 +1344,8 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
                     run[e] = T.Cast("int32", ve // span * NBL + T.max(ve % span - a, 0))
                 P = {"start": run[0], "NB": NBL}
                 load_fn(B, sm, fv, hp, item_g(P, 0), tx, nth, True)
-            # fn's slice -> fn^T's two bf16 pieces, the A operand
             if not LIN:
-                for it in T.unroll(-(-nfv // nth)):
-                    v = it * nth + tx
-                    if v < nfv:
-                        n = v // (m * W // 4)
-                        j = v // (W // 4) % m
-                        col = v % (W // 4) * 4
-                        for e in T.vectorized(4):
-                            fv[e] = B["FN"][n, j * D + bg * W + col + e]
-                        for e in T.unroll(4):
-                            hp[e] = T.Cast("float32", T.Cast("bfloat16", fv[e]))
-                        k = j * W + col
-                        for h in [0, 1]:
-                            if h == 0:
-                                T.call_extern("handle", "dsv41c_sts64", sm, L.a(n, h, k),
-                                              T.call_extern("uint32", "dsv41c_pack_bf16x2", hp[0], hp[1]),
-                                              T.call_extern("uint32", "dsv41c_pack_bf16x2", hp[2], hp[3]))
-                            else:
-                                T.call_extern("handle", "dsv41c_sts64", sm, L.a(n, h, k),
-                                              T.call_extern("uint32", "dsv41c_pack_bf16x2", fv[0] - hp[0], fv[1] - hp[1]),
-                                              T.call_extern("uint32", "dsv41c_pack_bf16x2", fv[2] - hp[2], fv[3] - hp[3]))
+                load_fn(B, sm, fv, hp, bg, tx, nth, True)
             q = tx // 32
             lane = tx % 32
             NB = T.ceildiv(N, BLK)
