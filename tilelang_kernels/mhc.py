@@ -130,13 +130,6 @@ _CTAS_PER_SM = 2  # CUDA: resident mixes CTAs per H200 SM (shared memory: 86 KB 
 _CR_W = 256  # CUDA column-resident mixing kernel: columns of each stream per CTA (fn's slice stays in
 #               shared memory): 8 per lane, so one warp-wide 16-byte access covers them
 _CR_WAVES = 2  # CUDA column-resident mixing kernel: at most this many waves of CTAs (at one per SM)
-# CUDA column-resident mixing kernel: 1 gives each CTA (at most `_SMS` of them, one wave) an equal run
-# of the (column group, token block) items in group-major order, instead of every P-th token block of
-# one column group (`_CR_WAVES` waves); a run that enters the next column group loads fn's slice of
-# it once the GEMM warpgroup is done with the last block of the previous one.  The runs are cut as
-# if each slice's load were `_CR_SETUP` more blocks (where a group has at least 8 x that many).
-_CR_LINEAR = 0
-_CR_SETUP = 2
 _SMS = 132  # H200 SMs
 # CUDA mixing kernel for bf16 streams (`_cuda_wg_prim_func`, timed on an H200, BENCHMARKS.md "mHC
 # kernels"): tokens per block (the wgmma's N); tokens per streaming warp and block (so BLK / TPW
@@ -163,7 +156,7 @@ TRACE_SLOTS = 32
 # CUDA finalize: 1 sums the workspace's K partials by 8 lanes a token row, a 16-byte vector each (the
 # K loads of a lane independent and coalesced), through shared memory rows of `_FIN_ROW` floats
 # (36: each row 4 banks on), instead of each row lane's scalar loads of its own coefficients
-_FIN_STAGED = 0
+_FIN_STAGED = 1
 _FIN_ROW = 36
 _TRACE_STREAM_BLOCKS, _TRACE_GEMM_BLOCKS = 16, 8
 _TRACE_MARKS = {0: "start", 1: "fn's slice in shared memory (setup)",
@@ -1036,7 +1029,6 @@ def _cuda_wg_prim_func(kind, m, D):
     names = _PARAMS[kind, "main"]
     W, BLK, TPW, KS = _CR_W, _WG_BLK, _WG_TPW, _WG_KSPLIT
     AH = _WG_AHEAD_POST_PRE if expand else _WG_AHEAD_PRE  # blocks in flight
-    LIN = bool(_CR_LINEAR)
     NWp = BLK // TPW  # streaming warps
     nst = 32 * NWp
     gw = NWp // 4  # the GEMM warpgroup, after the streaming warps
@@ -1199,19 +1191,11 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
             if blk * BLK + tx < N:
                 B["WS"][bg, blk * BLK + tx, mix] = SQ[buf, tx]
 
-    def item_g(P, i):
-        """The column group of the CTA's item i (the linear plan P)."""
-        return (P["start"] + i) // P["NB"]
-
-    def item_blk(P, i):
-        """The token block of the CTA's item i (the linear plan P)."""
-        return (P["start"] + i) % P["NB"]
-
     @T.macro
-    def load_fn(B, sm, fv, hp, g, tid, nthr, unroll):
+    def load_fn(B, sm, fv, hp, g, tid, nthr):
         """fn's slice of column group g -> fn^T's two bf16 pieces, the A operand, by threads tid of
-        nthr (a rolled loop where the streaming warps' registers are taken)."""
-        for it in (T.unroll if unroll else T.serial)(-(-nfv // nthr)):
+        nthr."""
+        for it in T.unroll(-(-nfv // nthr)):
             v = it * nthr + tid
             if v < nfv:
                 n = v // (m * W // 4)
@@ -1230,21 +1214,6 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
                               T.call_extern("uint32", "dsv41c_pack_bf16x2", fv[2] - hp[2], fv[3] - hp[3]))
 
     @T.macro
-    def point(B, ra, g, blk, q, lane, loads):
-        """The running load (loads) or store addresses at the warp's first token of block blk of
-        column group g (the linear plan: where a run enters a column group)."""
-        tb = T.Cast("uint64", blk * BLK + q * TPW) * T.uint64(row_bytes)
-        cb = T.Cast("uint64", (g * (W // 2) + lane * 4) * 4)
-        if loads:
-            ra[0] = T.call_extern("uint64", "dsv41c_addr", B[src].data) + tb * T.uint64(m) + cb
-            if expand:
-                ra[1] = T.call_extern("uint64", "dsv41c_addr", B["Y"].data) + tb + cb
-        else:
-            ra[2] = T.call_extern("uint64", "dsv41c_addr", B["X"].data) + tb + cb
-            if expand:
-                ra[3] = T.call_extern("uint64", "dsv41c_addr", B["HN"].data) + tb * T.uint64(m) + cb
-
-    @T.macro
     def stream_block(B, R, i, blk, nb, PV, X, cv, q, lane, tx, sm, si):
         """Block number i (blk) of the CTA's blocks, by the streaming warps: up to the B tile's
         stores and the next block's coefficients stashed.  Block i's streams are in register set
@@ -1255,32 +1224,14 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
         them, and after its warp's next coefficients are stashed, each thread arrives at
         full[buf]."""
         buf = i % 2
-        if LIN:
-            P = R["plan"]
-            if i + AH < nb:
-                if item_blk(P, i + AH) == 0:
-                    point(B, R["ra"], item_g(P, i + AH), 0, q, lane, True)
-                load_streams(X, item_blk(P, i + AH), q, (si + AH) % (AH + 1), R["ra"])
-            if i + 1 < nb:
-                fetch_coefs(B, cv, item_blk(P, i + 1), tx)
-        else:
-            if i + AH < nb:
-                load_streams(X, blk + AH * PV, q, (si + AH) % (AH + 1), R["ra"])
-            if i + 1 < nb:
-                fetch_coefs(B, cv, blk + PV, tx)
+        if i + AH < nb:
+            load_streams(X, blk + AH * PV, q, (si + AH) % (AH + 1), R["ra"])
+        if i + 1 < nb:
+            fetch_coefs(B, cv, blk + PV, tx)
         if i >= 2:
             T.call_extern("handle", "dsv41c_mbar_wait", sm, mb + 16 + 8 * buf, (i // 2 + 1) % 2)
-        if LIN:
-            if i > 0 and item_blk(R["plan"], i) == 0:
-                # a new column group: once block i - 1's wgmma are done (its empty mbarrier), its
-                # slice of fn over the old one (ordered before this thread's arrival at full[buf])
-                T.call_extern("handle", "dsv41c_mbar_wait", sm, mb + 16 + 8 * (1 - buf), (i - 1) // 2 % 2)
-                load_fn(B, sm, R["fv"], R["hp"], item_g(R["plan"], i), tx, nst, False)
-                point(B, R["ra"], item_g(R["plan"], i), 0, q, lane, False)
-            compute(R, item_blk(R["plan"], i), buf, X, q, lane, sm, si)
-        else:
-            # (no name bound to the buffer: the script parser would rename it in the CUDA source)
-            compute(R, blk, buf, X, q, lane, sm, si)
+        # (no name bound to the buffer: the script parser would rename it in the CUDA source)
+        compute(R, blk, buf, X, q, lane, sm, si)
         T.call_extern("handle", "dsv41c_fence_async")  # the B tile's stores, for the wgmma
         stash_coefs(R["Cos"], 1 - buf, cv, tx)
         T.call_extern("handle", "dsv41c_mbar_arrive", sm, mb + 8 * buf)
@@ -1301,8 +1252,7 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
 
     @T.macro
     def body(B):
-        grid = (T.min(G * T.ceildiv(N, BLK), _SMS), 1) if LIN else (G, T.min(T.ceildiv(N, BLK), pmax))
-        with T.Kernel(*grid, threads=nth, prelude=prelude) as (bg, bp):
+        with T.Kernel(G, T.min(T.ceildiv(N, BLK), pmax), threads=nth, prelude=prelude) as (bg, bp):
             tx = T.get_thread_binding()
             mark(0, timer=_TRACE_T0)
             TCU.pdl_trigger()  # the finalize kernel may launch once every CTA of this one has started
@@ -1331,35 +1281,16 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
             # waits sit in branches on it
             wg = T.call_extern("int32", "__shfl_sync", T.uint32(0xFFFFFFFF), tx // 128, 0)
             sm = T.address_of(SMB[0])
-            if LIN:
-                # the CTA's run of items [start, start + nb) in group-major order: its share of the
-                # items with `_CR_SETUP` more at each group's head, cut on the CTA's bounds
-                NBL = T.ceildiv(N, BLK)
-                a = T.if_then_else(NBL >= 8 * _CR_SETUP, _CR_SETUP, 0)
-                ctas = T.Cast("int64", T.min(G * NBL, _SMS))
-                span = T.Cast("int64", NBL + a)
-                run = T.alloc_local((2,), "int32")  # the run's first item and its end
-                for e in T.unroll(2):
-                    ve = T.Cast("int64", bg + e) * (span * G) // ctas
-                    run[e] = T.Cast("int32", ve // span * NBL + T.max(ve % span - a, 0))
-                P = {"start": run[0], "NB": NBL}
-                load_fn(B, sm, fv, hp, item_g(P, 0), tx, nth, True)
-            if not LIN:
-                load_fn(B, sm, fv, hp, bg, tx, nth, True)
+            load_fn(B, sm, fv, hp, bg, tx, nth)  # fn's slice -> fn^T's two bf16 pieces, the A operand
             q = tx // 32
             lane = tx % 32
             NB = T.ceildiv(N, BLK)
-            PV = 1 if LIN else T.min(NB, pmax)
-            if LIN:
-                nb = run[1] - run[0]
-            else:
-                nb = T.ceildiv(NB - bp, PV)
-            cw = (item_g(P, 0) if LIN else bg) * (W // 2) + lane * 4  # the lane's first word of each row
+            PV = T.min(NB, pmax)
+            nb = T.ceildiv(NB - bp, PV)
+            cw = bg * (W // 2) + lane * 4  # the lane's first word of each row
             R = {"Cos": Cos, "SQ": SQ, "ol": ol, "xo": xo, "hf": hf, "xf": xf, "hv": hv, "sq": sq, "acc": acc,
                  "tot": tot, "ra": ra}
-            if LIN:
-                R.update(plan=P, fv=fv, hp=hp)
-            t0 = (item_blk(P, 0) if LIN else bp) * BLK + q * TPW
+            t0 = bp * BLK + q * TPW
             # (byte offsets from each buffer's base: token t0, the lane's first word cw of 4 bytes;
             # seeing no store to x or h_new, TileLang declares them const: they are stored by PTX)
             tb = T.Cast("uint64", t0) * T.uint64(row_bytes)
@@ -1372,16 +1303,10 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
             ra[4] = T.Cast("uint64", PV) * T.uint64(BLK * row_bytes)
             ra[5] = ra[4] * T.uint64(m)
             if tx < nst:
-                fetch_coefs(B, cv, item_blk(P, 0) if LIN else bp, tx)
+                fetch_coefs(B, cv, bp, tx)
                 stash_coefs(Cos, 0, cv, tx)
                 for k in sets[:-1]:
-                    if LIN:
-                        if k < nb:
-                            if k > 0 and item_blk(P, k) == 0:
-                                point(B, ra, item_g(P, k), 0, q, lane, True)
-                            load_streams(X, item_blk(P, k), q, k, ra)
-                    else:
-                        load_streams(X, bp + k * PV, q, k, ra)
+                    load_streams(X, bp + k * PV, q, k, ra)
             if tx == 0:
                 for b in range(2):
                     T.call_extern("handle", "dsv41c_mbar_init", sm, mb + 8 * b, nst)
@@ -1397,10 +1322,7 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
                     T.call_extern("handle", "dsv41c_mbar_wait", sm, mb + 8 * (i % 2), i // 2 % 2)
                     issue(R, i % 2, sm)
                     T.call_extern("handle", "dsv41c_wgmma_wait")
-                    if LIN:
-                        epilogue(B, R, item_blk(P, i), i % 2, tx - 128 * gw, item_g(P, i))
-                    else:
-                        epilogue(B, R, bp + i * PV, i % 2, tx - 128 * gw, bg)
+                    epilogue(B, R, bp + i * PV, i % 2, tx - 128 * gw, bg)
                     T.call_extern("handle", "dsv41c_mbar_arrive", sm, mb + 16 + 8 * (i % 2))
                     mark_first(i, 20 + i, _TRACE_GEMM_BLOCKS, 128 * gw)
                 mark(3, 128 * gw, _TRACE_T1)
