@@ -70,11 +70,15 @@ CUDA (sm_90a: wgmma needs the arch-specific target).
      likely, each CTA's serial chain per chunk (wait, compute, barriers, GEMM) limits it.  (Loading
      straight into registers with no overlap inside a CTA, 3 CTAs per SM, measured 36% / 51% of
      the bound at T = 4096 / 65536 on an H200 against this one's 41% / 47%: BENCHMARKS.md.)
-  2. `finalize`: 4 lanes per token (m = 4), one row of comb each, with pre and post of that index:
-     each lane sums its coefficients' K partials in fixed order (and the sum of squares), then
-     rsqrt and sigmoids, and the Sinkhorn of §5.2 with a row's sums in the lane and a column's as
-     an xor-shuffle butterfly over the token's lanes; the quotients by one sum share one
-     reciprocal, refined as div.rn's fast path refines it, so they are the IEEE quotients.
+  2. `finalize`: first the K partials of the CTA's 32 token rows of the workspace are summed in
+     fixed order into shared memory, 8 lanes a row with one 16-byte vector each, so a lane has all
+     its K loads in flight and a warp instruction reads 4 whole lines (each row lane loading its
+     own 7 coefficients, 140 scalar loads a lane, was 1.01-1.03x slower at T = 4096 on an H100,
+     with the same bits, BENCHMARKS.md).  Then 4 lanes per token (m = 4), one row of comb each,
+     with pre and post of that index and the sum of squares: rsqrt and sigmoids, and the
+     Sinkhorn of §5.2 with a row's sums in the lane and a column's as an xor-shuffle butterfly
+     over the token's lanes; the quotients by one sum share one reciprocal, refined as div.rn's
+     fast path refines it, so they are the IEEE quotients.
      (16 lanes per token, one comb entry each, every sum a butterfly and every quotient a
      division, gave bit-identical results with 2.3x the instructions; timed 3-5% slower at
      T = 1 and the same from 4096 tokens on, BENCHMARKS.md.)  Deterministic: no atomics.  Launched
@@ -153,10 +157,8 @@ _WG_AHEAD_POST_PRE = 1
 # end.  0 builds no marks: the lowered source is the kernel's.
 _TRACE = 0
 TRACE_SLOTS = 32
-# CUDA finalize: 1 sums the workspace's K partials by 8 lanes a token row, a 16-byte vector each (the
-# K loads of a lane independent and coalesced), through shared memory rows of `_FIN_ROW` floats
-# (36: each row 4 banks on), instead of each row lane's scalar loads of its own coefficients
-_FIN_STAGED = 1
+# CUDA finalize: floats per token row of the shared memory its K partial sums go through (36: each
+# row starts 4 banks after the previous one)
 _FIN_ROW = 36
 _TRACE_STREAM_BLOCKS, _TRACE_GEMM_BLOCKS = 16, 8
 _TRACE_MARKS = {0: "start", 1: "fn's slice in shared memory (setup)",
@@ -1370,9 +1372,10 @@ def _tree_sum(vals):
 
 def _cuda_finalize_prim_func(m, D, norm_eps, hc_eps, iters, splits=None):
     """mp lanes per token (module docstring, CUDA step 2; mp = m rounded up to a power of two):
-    lane i holds row i of comb (lanes i >= m hold zeros), pre[i] and post[i], and sums the sum of
-    squares itself.  A row's sums are a pairwise tree in the lane, a column's an xor butterfly over
-    the token's lanes; the quotients by one sum share its reciprocal (`_DIV_PRELUDE`)."""
+    lane i holds row i of comb (lanes i >= m hold zeros), pre[i] and post[i], and the sum of
+    squares, read from the CTA's shared rows of the workspace's K partial sums.  A row's sums are a
+    pairwise tree in the lane, a column's an xor butterfly over the token's lanes; the quotients by
+    one sum share its reciprocal (`_DIV_PRELUDE`)."""
     names = _PARAMS["finalize", "main"]
     fixed = splits is not None
     splits = splits if fixed else T.dynamic("K")
@@ -1384,6 +1387,7 @@ def _cuda_finalize_prim_func(m, D, norm_eps, hc_eps, iters, splits=None):
     cols = list(range(m))  # (a list: unrolled at trace time)
     threads = 128
     tpc = threads // mp  # tokens per CTA
+    assert _NPAD == 32 and _FIN_ROW >= _NPAD  # a workspace row: 8 lanes of 4 floats
     eps = _f32_const(hc_eps)
 
     def zero_padded(c):
@@ -1394,7 +1398,7 @@ def _cuda_finalize_prim_func(m, D, norm_eps, hc_eps, iters, splits=None):
         with T.Kernel(T.ceildiv(N * mp, threads), threads=threads, prelude=_DIV_PRELUDE) as bx:
             tx = T.get_thread_binding()
             TCU.pdl_sync()  # launched early (programmatic launch): wait for the mixing kernel's workspace
-            t = bx * (threads // mp) + tx // mp
+            t = bx * tpc + tx // mp
             i = tx % mp
             c = T.alloc_local((m,), "float32")  # row i of comb
             d = T.alloc_local((m,), "float32")  # each column's sum + eps
@@ -1405,57 +1409,40 @@ def _cuda_finalize_prim_func(m, D, norm_eps, hc_eps, iters, splits=None):
                 c[j] = T.float32(0)
             for u in [0, 1, 2]:
                 v[u] = T.float32(0)
-            if _FIN_STAGED:
-                # the K partial sums of the CTA's tokens' rows by 8 lanes a row (a 16-byte vector of
-                # the row's 32 floats each, all K loads of a lane independent), in order, into S;
-                # then each lane reads its own from S
-                S = T.alloc_shared((tpc, _FIN_ROW), "float32")
-                npass = tpc * 8 // threads  # the CTA's rows, in passes of threads / 8
-                fly = min(2, npass)  # the rows a lane has in flight, all their K loads
-                a = T.alloc_local((fly, 4), "float32")
-                w = T.alloc_local((fly, 4), "float32")
-                for g0 in range(0, npass, fly):
+            # the K partial sums of the CTA's tokens' rows by 8 lanes a row (a 16-byte vector of
+            # the row's 32 floats each, all K loads of a lane independent), in order, into S;
+            # then each lane reads its own from S
+            S = T.alloc_shared((tpc, _FIN_ROW), "float32")
+            npass = tpc * 8 // threads  # the CTA's rows, in passes of threads / 8
+            fly = min(2, npass)  # the rows a lane has in flight, all their K loads
+            a = T.alloc_local((fly, 4), "float32")
+            w = T.alloc_local((fly, 4), "float32")
+            for g0 in range(0, npass, fly):
+                for p in T.unroll(fly):
+                    # (a row past N reads row N - 1 and is not stored: no branch between the loads)
+                    tg = T.min(bx * tpc + (g0 + p) * (threads // 8) + tx // 8, N - 1)
+                    for e in T.vectorized(4):
+                        a[p, e] = B["WS"][0, tg, tx % 8 * 4 + e]
+                for k in ks():
                     for p in T.unroll(fly):
-                        # (a row past N reads row N - 1 and is not stored: no branch between the loads)
                         tg = T.min(bx * tpc + (g0 + p) * (threads // 8) + tx // 8, N - 1)
                         for e in T.vectorized(4):
-                            a[p, e] = B["WS"][0, tg, tx % 8 * 4 + e]
-                    for k in ks():
-                        for p in T.unroll(fly):
-                            tg = T.min(bx * tpc + (g0 + p) * (threads // 8) + tx // 8, N - 1)
-                            for e in T.vectorized(4):
-                                w[p, e] = B["WS"][k, tg, tx % 8 * 4 + e]
-                            for e in T.unroll(4):
-                                a[p, e] = a[p, e] + w[p, e]
-                    for p in T.unroll(fly):
-                        tl = (g0 + p) * (threads // 8) + tx // 8
-                        if bx * tpc + tl < N:
-                            for e in T.unroll(4):
-                                S[tl, tx % 8 * 4 + e] = a[p, e]
-                T.sync_threads()
-                if t < N:
-                    v[2] = S[tx // mp, mix]
-                    if i < m:
-                        for j in cols:
-                            c[j] = S[tx // mp, 2 * m + i * m + j]
-                        v[0] = S[tx // mp, i]
-                        v[1] = S[tx // mp, m + i]
-            # the K partial sums in order (every lane runs the shuffles below, also past N: their
-            # values are never stored)
-            elif t < N:
-                v[2] = B["WS"][0, t, mix]
-                for k in ks():
-                    v[2] = v[2] + B["WS"][k, t, mix]
+                            w[p, e] = B["WS"][k, tg, tx % 8 * 4 + e]
+                        for e in T.unroll(4):
+                            a[p, e] = a[p, e] + w[p, e]
+                for p in T.unroll(fly):
+                    tl = (g0 + p) * (threads // 8) + tx // 8
+                    if bx * tpc + tl < N:
+                        for e in T.unroll(4):
+                            S[tl, tx % 8 * 4 + e] = a[p, e]
+            T.sync_threads()
+            if t < N:
+                v[2] = S[tx // mp, mix]
                 if i < m:
                     for j in cols:
-                        c[j] = B["WS"][0, t, 2 * m + i * m + j]
-                    v[0] = B["WS"][0, t, i]
-                    v[1] = B["WS"][0, t, m + i]
-                    for k in ks():
-                        for j in cols:
-                            c[j] = c[j] + B["WS"][k, t, 2 * m + i * m + j]
-                        v[0] = v[0] + B["WS"][k, t, i]
-                        v[1] = v[1] + B["WS"][k, t, m + i]
+                        c[j] = S[tx // mp, 2 * m + i * m + j]
+                    v[0] = S[tx // mp, i]
+                    v[1] = S[tx // mp, m + i]
             r = T.float32(1) / T.sqrt(v[2] / T.float32(m * D) + _f32_const(norm_eps))
             if T.And(t < N, i < m):
                 B["PRE"][t, i] = T.sigmoid(v[0] * r * B["SC"][0] + B["BASE"][i]) + eps
