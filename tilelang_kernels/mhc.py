@@ -70,7 +70,7 @@ CUDA (sm_90a: wgmma needs the arch-specific target).
      likely, each CTA's serial chain per chunk (wait, compute, barriers, GEMM) limits it.  (Loading
      straight into registers with no overlap inside a CTA, 3 CTAs per SM, measured 36% / 51% of
      the bound at T = 4096 / 65536 on an H200 against this one's 41% / 47%: BENCHMARKS.md.)
-  2. `finalize`: first the K partials of the CTA's 32 token rows of the workspace are summed in
+  2. `finalize`: first the K partials of the CTA's token rows (32) of the workspace are summed in
      fixed order into shared memory, 8 lanes a row with one 16-byte vector each, so a lane has all
      its K loads in flight and a warp instruction reads 4 whole lines (each row lane loading its
      own 7 coefficients, 140 scalar loads a lane, was 1.01-1.03x slower at T = 4096 on an H100,
@@ -129,6 +129,7 @@ DC = 32  # CUDA: columns of each stream per chunk
 _THREADS = 128  # CUDA post_collapse: threads per CTA
 _MIX_THREADS = 128  # CUDA mixing kernels: threads per CTA
 _NPAD = 32  # CUDA: GEMM N, the mix coefficients padded; column 24 (mix) of the workspace = sum of squares
+_FIN_ROW = 36  # CUDA finalize: floats a token row of the shared sums of the workspace (rows 4 banks apart)
 _STAGES = 2  # CUDA mixing kernels: chunks of streams in shared memory (the pipeline's depth)
 _CTAS_PER_SM = 2  # CUDA: resident mixes CTAs per H200 SM (shared memory: 86 KB each at 2 stages)
 _CR_W = 256  # CUDA column-resident mixing kernel: columns of each stream per CTA (fn's slice stays in
@@ -157,9 +158,6 @@ _WG_AHEAD_POST_PRE = 1
 # end.  0 builds no marks: the lowered source is the kernel's.
 _TRACE = 0
 TRACE_SLOTS = 32
-# CUDA finalize: floats per token row of the shared memory its K partial sums go through (36: each
-# row starts 4 banks after the previous one)
-_FIN_ROW = 36
 _TRACE_STREAM_BLOCKS, _TRACE_GEMM_BLOCKS = 16, 8
 _TRACE_MARKS = {0: "start", 1: "fn's slice in shared memory (setup)",
                 **{4 + i: f"streaming: block {i}" for i in range(_TRACE_STREAM_BLOCKS)},
