@@ -1192,28 +1192,6 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
                 B["WS"][bg, blk * BLK + tx, mix] = SQ[buf, tx]
 
     @T.macro
-    def load_fn(B, sm, fv, hp, g, tid, nthr):
-        """fn's slice of column group g -> fn^T's two bf16 pieces, the A operand, by threads tid of
-        nthr."""
-        for it in T.unroll(-(-nfv // nthr)):
-            v = it * nthr + tid
-            if v < nfv:
-                n = v // (m * W // 4)
-                j = v // (W // 4) % m
-                col = v % (W // 4) * 4
-                for e in T.vectorized(4):
-                    fv[e] = B["FN"][n, j * D + g * W + col + e]
-                for e in T.unroll(4):
-                    hp[e] = T.Cast("float32", T.Cast("bfloat16", fv[e]))
-                k = j * W + col
-                T.call_extern("handle", "dsv41c_sts64", sm, L.a(n, 0, k),
-                              T.call_extern("uint32", "dsv41c_pack_bf16x2", hp[0], hp[1]),
-                              T.call_extern("uint32", "dsv41c_pack_bf16x2", hp[2], hp[3]))
-                T.call_extern("handle", "dsv41c_sts64", sm, L.a(n, 1, k),
-                              T.call_extern("uint32", "dsv41c_pack_bf16x2", fv[0] - hp[0], fv[1] - hp[1]),
-                              T.call_extern("uint32", "dsv41c_pack_bf16x2", fv[2] - hp[2], fv[3] - hp[3]))
-
-    @T.macro
     def stream_block(B, R, i, blk, nb, PV, X, cv, q, lane, tx, sm, si):
         """Block number i (blk) of the CTA's blocks, by the streaming warps: up to the B tile's
         stores and the next block's coefficients stashed.  Block i's streams are in register set
@@ -1281,7 +1259,24 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
             # waits sit in branches on it
             wg = T.call_extern("int32", "__shfl_sync", T.uint32(0xFFFFFFFF), tx // 128, 0)
             sm = T.address_of(SMB[0])
-            load_fn(B, sm, fv, hp, bg, tx, nth)  # fn's slice -> fn^T's two bf16 pieces, the A operand
+            # fn's slice -> fn^T's two bf16 pieces, the A operand
+            for it in T.unroll(-(-nfv // nth)):
+                v = it * nth + tx
+                if v < nfv:
+                    n = v // (m * W // 4)
+                    j = v // (W // 4) % m
+                    col = v % (W // 4) * 4
+                    for e in T.vectorized(4):
+                        fv[e] = B["FN"][n, j * D + bg * W + col + e]
+                    for e in T.unroll(4):
+                        hp[e] = T.Cast("float32", T.Cast("bfloat16", fv[e]))
+                    k = j * W + col
+                    T.call_extern("handle", "dsv41c_sts64", sm, L.a(n, 0, k),
+                                  T.call_extern("uint32", "dsv41c_pack_bf16x2", hp[0], hp[1]),
+                                  T.call_extern("uint32", "dsv41c_pack_bf16x2", hp[2], hp[3]))
+                    T.call_extern("handle", "dsv41c_sts64", sm, L.a(n, 1, k),
+                                  T.call_extern("uint32", "dsv41c_pack_bf16x2", fv[0] - hp[0], fv[1] - hp[1]),
+                                  T.call_extern("uint32", "dsv41c_pack_bf16x2", fv[2] - hp[2], fv[3] - hp[3]))
             q = tx // 32
             lane = tx % 32
             NB = T.ceildiv(N, BLK)
