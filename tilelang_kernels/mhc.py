@@ -1388,7 +1388,7 @@ __device__ __forceinline__ void dsv41c_wait_blocks(const void* cnt, int first, i
       asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(c + b) : "memory");
       if (v >= want) break;
       __nanosleep(64);
-      if (++spins > (1 << 27)) __trap();
+      if (++spins > (1 << 24)) __trap();
     }
   }
 }
