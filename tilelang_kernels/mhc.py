@@ -1345,10 +1345,13 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
                     issue(R, i % 2, sm)
                     T.call_extern("handle", "dsv41c_wgmma_wait")
                     epilogue(B, R, bp + i * PV, i % 2, tx - 128 * gw, bg)
-                    if _FIN_POLL:  # the block's workspace rows are written: count it done
+                    if _FIN_POLL == 1:  # the block's workspace rows are written: count it done
                         T.call_extern("handle", "dsv41c_block_done", T.address_of(B["CNT"][bp + i * PV]),
                                       tx - 128 * gw)
                     T.call_extern("handle", "dsv41c_mbar_arrive", sm, mb + 16 + 8 * (i % 2))
+                    if _FIN_POLL == 2:  # the same, after the B tile is handed back
+                        T.call_extern("handle", "dsv41c_block_done", T.address_of(B["CNT"][bp + i * PV]),
+                                      tx - 128 * gw)
                     mark_first(i, 20 + i, _TRACE_GEMM_BLOCKS, 128 * gw)
                 mark(3, 128 * gw, _TRACE_T1)
             else:
