@@ -457,43 +457,6 @@ def test_cuda_finalize_lowers_for_sm90(dtype):
     assert f"* {K._FIN_ROW})" in body
 
 
-@pytest.mark.parametrize("kind", ("pre", "post_pre"))
-def test_cuda_polling_finalize_lowers_for_sm90(kind, monkeypatch):
-    """`_FIN_POLL = 1`: the column-resident mixing kernel counts each token block done once its
-    workspace rows are stored (the GEMM warpgroup's named barrier, then one release add), and the
-    finalize, launched early, waits for its own blocks' counts (acquire loads) before it reads
-    their rows through L2, never through the read-only path; its last CTA alone waits for the whole
-    mixing kernel, after its stores. The staged kernel's finalize (fp32 streams) keeps the wait
-    for the whole mixing kernel before its reads."""
-    import tilelang
-    from dsv41c.tilelang_kernels.quant import PDL_TAG, cuda_pass_configs
-    monkeypatch.setattr(K, "_FIN_POLL", 1)
-    tgt = {"kind": "cuda", "arch": "sm_90a"}
-    (mnames, main), (fnames, fin) = K.mhc_prim_funcs(kind, "bfloat16", 4, 5120, *HC.values(), "cuda")
-    assert mnames[-1] == fnames[-1] == "CNT"
-    arts = []
-    for f in (main, fin):
-        with tilelang.tvm.transform.PassContext(config=cuda_pass_configs(f)), tilelang.tvm.target.Target(tgt):
-            arts.append(tilelang.lower(f, target=tgt))
-    main_src, fin_src = (a.kernel_source for a in arts)
-    assert "red.release.gpu.global.add.s32" in main_src and "bar.sync 1, 128;" in main_src
-    body = main_src[main_src.index("__global__ void __launch_bounds__"):]
-    assert body.count("dsv41c_block_done((&(CNT[") == 1
-    assert body.rindex("WS[") < body.index("dsv41c_block_done(") < body.rindex("dsv41c_mbar_arrive(")
-    tags = [str(t) for f in arts[1].device_mod.functions.values() for t in f.attrs["tirx.kernel_launch_params"]]
-    assert PDL_TAG in tags
-    assert "ld.acquire.gpu.global.s32" in fin_src and "__ldcg(" in fin_src
-    body = fin_src[fin_src.index("__global__ void __launch_bounds__"):]
-    reads = [line for line in body.splitlines() if "WS" in line and "__global__" not in line]
-    assert reads and all("dsv41c_ldcg128((&(WS[" in line for line in reads), reads
-    assert body.index("dsv41c_wait_blocks((&(CNT[0]))") < body.index("__syncthreads();") < body.index("WS[")
-    assert body.count("cudaGridDependencySynchronize();") == 1
-    assert body.rindex("COMB[") < body.index("if (((int)blockIdx.x) == (((N + 31) >> 5) - 1)) {") < \
-        body.index("cudaGridDependencySynchronize();")
-    (_, _), (fnames, _) = K.mhc_prim_funcs(kind, "float32", 4, 5120, *HC.values(), "cuda")
-    assert "CNT" not in fnames
-
-
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("n", TOKENS)
@@ -525,42 +488,6 @@ def test_cuda_wgmma_kernel_tunings_match_refs(kind, tuning, monkeypatch, rebuilt
     _wg_tuning(monkeypatch, **tuning)
     for n in (7, 4099):
         check(kind, torch.bfloat16, n, 5120, "cuda")
-
-
-POLL_TUNINGS = ({"_FIN_POLL": 1}, {"_FIN_POLL": 1, "_CR_WAVES": 1})
-
-
-@pytest.mark.gpu
-@cuda
-@pytest.mark.parametrize("tuning", POLL_TUNINGS, ids=lambda t: ",".join(f"{k}={v}" for k, v in t.items()))
-@pytest.mark.parametrize("kind", ("pre", "post_pre"))
-def test_cuda_polling_finalize_matches_refs(kind, tuning, monkeypatch, rebuilt):
-    """The finalize that waits per token block, launched beside the mixing kernel, against the refs:
-    D = 5120 at T = 1, 7, 4099 and 20000 (more blocks than one wave of CTAs takes), D = 512 at
-    T = 77; and again in a CUDA graph (its launches replayed over the same buffers, so a counter
-    left over from one replay would show in the next)."""
-    _wg_tuning(monkeypatch, **tuning)
-    for n, d in ((1, 5120), (7, 5120), (4099, 5120), (20000, 5120), (77, 512)):
-        check(kind, torch.bfloat16, n, d, "cuda")
-    a, _ = check(kind, torch.bfloat16, 4099, 5120, "cuda")
-    op, _, args, _, _ = CASES[kind]
-    xs = tuple(t.cuda() for t in args(a))
-    want = [t.cpu() for t in op(*xs, **HC)]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # (a call before the capture, on another stream, as torch advises)
-        op(*xs, **HC)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = op(*xs, **HC)
-    for _ in range(3):
-        for t in got:
-            t.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        for i, (g, w) in enumerate(zip(got, want, strict=True)):
-            assert_bits(g, w, f"{kind} T=4099 graph replay output {i}")
 
 
 @pytest.mark.gpu

@@ -150,10 +150,6 @@ _WG_GEMM_REGS = 88
 # post_pre from 76% to 65% (its three sets spill).
 _WG_AHEAD_PRE = 2
 _WG_AHEAD_POST_PRE = 1
-# CUDA, after the column-resident mixing kernel: 1, the finalize waits per token block instead of for
-# the whole mixing kernel (`_cuda_finalize_prim_func`), so it runs beside it on SMs the mixing CTAs
-# leave free
-_FIN_POLL = 0
 # CUDA, a diagnostic: 0, or (set by `benchmarks/mhc.py --trace` before its first build) the device
 # address of an int64 buffer [CTAs, TRACE_SLOTS] into which the wgmma mixing kernel writes SM clocks
 # (clock64) at the marks of `_TRACE_MARKS`: thread 0 (the first streaming warp) at the start, after
@@ -276,7 +272,6 @@ _SHAPES = {  # buffer name -> (shape, dtype) with N = tokens, S = stream dtype, 
     "H": ("NmD", "S"), "Y": ("ND", "S"), "RES": ("NmD", "S"), "HN": ("NmD", "S"), "X": ("ND", "S"),
     "PIN": ("Nm", "f"), "CIN": ("Nmm", "f"), "PD": ("Nm", "f"), "PRE": ("Nm", "f"), "POST": ("Nm", "f"),
     "COMB": ("Nmm", "f"), "FN": ("xF", "f"), "SC": ("3", "f"), "BASE": ("x", "f"), "WS": ("KNP", "f"),
-    "CNT": ("b", "i"),
 }
 _PARAMS = {  # (kind, role) -> parameter names, inputs first
     ("pre", "c"): ("H", "FN", "SC", "BASE", "PD", "X", "PRE", "POST", "COMB"),
@@ -292,11 +287,9 @@ _PARAMS = {  # (kind, role) -> parameter names, inputs first
 def _buffers(names, sdt, m, D, splits=1):
     """The T.Tensor types of `names` as attributes, with one symbolic token count N."""
     N = T.dynamic("N")
-    dims = {"N": N, "m": m, "D": D, "3": 3, "x": 2 * m + m * m, "F": m * D, "K": splits, "P": _NPAD,
-            "b": T.dynamic("NB")}
-    types = {"S": sdt, "f": "float32", "i": "int32"}
-    return SimpleNamespace(**{n: T.Tensor(tuple(dims[c] for c in _SHAPES[n][0]), types[_SHAPES[n][1]])
-                              for n in names}), N
+    dims = {"N": N, "m": m, "D": D, "3": 3, "x": 2 * m + m * m, "F": m * D, "K": splits, "P": _NPAD}
+    return SimpleNamespace(**{n: T.Tensor(tuple(dims[c] for c in _SHAPES[n][0]),
+                                          sdt if _SHAPES[n][1] == "S" else "float32") for n in names}), N
 
 
 def _prim_func(names, S, body):
@@ -327,20 +320,6 @@ def _prim_func(names, S, body):
         def main(Y: S.Y, RES: S.RES, PIN: S.PIN, CIN: S.CIN, PD: S.PD, FN: S.FN,
                  HN: S.HN, X: S.X, WS: S.WS):
             body(dict(zip(names, (Y, RES, PIN, CIN, PD, FN, HN, X, WS))))
-    elif names == _PARAMS["pre", "main"] + ("CNT",):
-        @T.prim_func
-        def main(H: S.H, FN: S.FN, PD: S.PD, X: S.X, WS: S.WS, CNT: S.CNT):
-            body(dict(zip(names, (H, FN, PD, X, WS, CNT))))
-    elif names == _PARAMS["post_pre", "main"] + ("CNT",):
-        @T.prim_func
-        def main(Y: S.Y, RES: S.RES, PIN: S.PIN, CIN: S.CIN, PD: S.PD, FN: S.FN,
-                 HN: S.HN, X: S.X, WS: S.WS, CNT: S.CNT):
-            body(dict(zip(names, (Y, RES, PIN, CIN, PD, FN, HN, X, WS, CNT))))
-    elif names == _PARAMS["finalize", "main"] + ("CNT",):
-        @T.prim_func
-        def main(WS: S.WS, SC: S.SC, BASE: S.BASE, PRE: S.PRE, POST: S.POST,
-                 COMB: S.COMB, CNT: S.CNT):
-            body(dict(zip(names, (WS, SC, BASE, PRE, POST, COMB, CNT))))
     else:
         assert names == _PARAMS["finalize", "main"], names
 
@@ -475,9 +454,8 @@ def _signature(tensors) -> tuple:
 @functools.lru_cache(maxsize=1024)  # one entry per op, shape and device: the checks run once per key
 def _plan(kind, sig, eps):
     """Check an op's arguments from their `_signature` sig and plan its launch: (T, m, D, target,
-    ((kernel, positions of its parameters in inputs + outputs + workspace + block counters), ...),
-    workspace shape or None, block counter count or None).  Raises ValueError naming the first bad
-    argument."""
+    ((kernel, positions of its parameters in inputs + outputs + workspace), ...), workspace shape
+    or None).  Raises ValueError naming the first bad argument."""
     op, names = f"mhc_{kind}", _INPUTS[kind]
     shape0, sdt, device = sig[names.index(_LEAD[kind])]
     if len(shape0) != 3 or sdt not in _DTYPES:
@@ -496,15 +474,14 @@ def _plan(kind, sig, eps):
         raise ValueError(f"{op}: the CUDA build needs D % {DC} == 0, 2m + m^2 < {_NPAD} and at most "
                          f"{65535 * TB} tokens (grid y), got D={d}, m={m}, T={n}")
     if n == 0:  # nothing to launch (and nothing to build)
-        return n, m, d, target, (), None, None
+        return n, m, d, target, (), None
     ws = None
     if target != "c" and mixing:
         ws = (d // _CR_W if column_resident(kind, _DTYPES[sdt], d) else cuda_splits(d, n), n, _NPAD)
-    slots = (*names, *_OUTPUTS[kind], "WS", "CNT")
-    built = build(kind, _DTYPES[sdt], m, d, *eps, target)
-    kernels = tuple((kernel, tuple(slots.index(p) for p in params)) for params, kernel in built)
-    cnt = -(-n // _WG_BLK) if any("CNT" in params for params, _ in built) else None
-    return n, m, d, target, kernels, ws, cnt
+    slots = (*names, *_OUTPUTS[kind], "WS")
+    kernels = tuple((kernel, tuple(slots.index(p) for p in params))
+                    for params, kernel in build(kind, _DTYPES[sdt], m, d, *eps, target))
+    return n, m, d, target, kernels, ws
 
 
 def _kernel_arg(t: torch.Tensor, target: str) -> torch.Tensor:
@@ -518,9 +495,8 @@ def _kernel_arg(t: torch.Tensor, target: str) -> torch.Tensor:
 
 def _run(kind, inputs, eps, outputs):
     """Check the op's inputs (once per `_plan` key), allocate its outputs with `outputs(T, m, D)`,
-    run its kernels (the CUDA mixing kinds: over a fresh workspace, and zeroed block counters where
-    the finalize waits per block) and return the outputs."""
-    n, m, d, target, kernels, ws, cnt = _plan(kind, _signature(inputs), eps)
+    run its kernels (the CUDA mixing kinds: over a fresh workspace) and return the outputs."""
+    n, m, d, target, kernels, ws = _plan(kind, _signature(inputs), eps)
     outs = outputs(n, m, d)
     if n:
         args = [_kernel_arg(t, target) for t in inputs]
@@ -530,8 +506,6 @@ def _run(kind, inputs, eps, outputs):
             args += outs
             if ws is not None:
                 args.append(outs[0].new_empty(ws, dtype=torch.float32))
-            if cnt is not None:
-                args.append(outs[0].new_zeros(cnt, dtype=torch.int32))
         for kernel, slots in kernels:
             kernel(*[args[i] for i in slots])
     return outs
@@ -1052,7 +1026,7 @@ def _cuda_wg_prim_func(kind, m, D):
     The wgmma are issued through inline PTX (`_WGMMA_PRELUDE`): TileLang's T.gemm divides a GEMM
     over all the CTA's threads."""
     expand = kind == "post_pre"
-    names = _PARAMS[kind, "main"] + (("CNT",) if _FIN_POLL else ())
+    names = _PARAMS[kind, "main"]
     W, BLK, TPW, KS = _CR_W, _WG_BLK, _WG_TPW, _WG_KSPLIT
     AH = _WG_AHEAD_POST_PRE if expand else _WG_AHEAD_PRE  # blocks in flight
     NWp = BLK // TPW  # streaming warps
@@ -1084,8 +1058,7 @@ def _cuda_wg_prim_func(kind, m, D):
     mb = L.a_bytes + 2 * L.b_bytes  # the mbarriers full[0], full[1], empty[0], empty[1], 8 bytes each
     mul, add = _arith(True)
     prelude = (cuda_trace_prelude(_TRACE, TRACE_SLOTS, _TRACE_SM) if _TRACE else "") + \
-        CUDA_PACK_BF16X2 + _RUNNING_ADDRS + _WGMMA_PRELUDE + _MBAR_PRELUDE + _wgmma_fn(BLK) + \
-        (_POLL_PRELUDE if _FIN_POLL else "") + "".join(
+        CUDA_PACK_BF16X2 + _RUNNING_ADDRS + _WGMMA_PRELUDE + _MBAR_PRELUDE + _wgmma_fn(BLK) + "".join(
         f"""
 __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("setmaxnreg.{op}.sync.aligned.u32 {r};"); }}
 """ for op, r in (("dec", _WG_GEMM_REGS), ("inc", r_st)))
@@ -1345,13 +1318,7 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
                     issue(R, i % 2, sm)
                     T.call_extern("handle", "dsv41c_wgmma_wait")
                     epilogue(B, R, bp + i * PV, i % 2, tx - 128 * gw, bg)
-                    if _FIN_POLL == 1:  # the block's workspace rows are written: count it done
-                        T.call_extern("handle", "dsv41c_block_done", T.address_of(B["CNT"][bp + i * PV]),
-                                      tx - 128 * gw)
                     T.call_extern("handle", "dsv41c_mbar_arrive", sm, mb + 16 + 8 * (i % 2))
-                    if _FIN_POLL == 2:  # the same, after the B tile is handed back
-                        T.call_extern("handle", "dsv41c_block_done", T.address_of(B["CNT"][bp + i * PV]),
-                                      tx - 128 * gw)
                     mark_first(i, 20 + i, _TRACE_GEMM_BLOCKS, 128 * gw)
                 mark(3, 128 * gw, _TRACE_T1)
             else:
@@ -1366,39 +1333,6 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
                 mark(2)
 
     return names, _prim_func(names, S, body).with_attr(NO_SYNC_ATTR, 1)
-
-
-# CUDA, `_FIN_POLL`: the finalize kernel waits for the token blocks it reads, not for the whole mixing
-# kernel.  The mixing kernel's GEMM warpgroup, after a block's workspace stores, meets at named
-# barrier 1 and its first thread adds 1 to the block's counter with release semantics at GPU scope
-# (the barrier orders the warpgroup's stores before it: the pattern of CUTLASS's generic barrier);
-# the finalize's first thread spins with acquire loads until each of its blocks' counters reaches the
-# column group count, its CTA meets at a barrier, and the workspace is read through L2 (ld.global.cg:
-# the rows were written by another kernel that is still running, so not through the read-only
-# path).  A counter that never gets there traps after about 10 s instead of hanging the device.
-_POLL_PRELUDE = r"""
-__device__ __forceinline__ void dsv41c_block_done(const void* cnt, int t) {
-  asm volatile("bar.sync 1, 128;" ::: "memory");
-  if (t == 0) {
-    asm volatile("red.release.gpu.global.add.s32 [%0], 1;" :: "l"(cnt) : "memory");
-  }
-}
-__device__ __forceinline__ void dsv41c_wait_blocks(const void* cnt, int first, int last, int want) {
-  const int* c = reinterpret_cast<const int*>(cnt);
-  for (int b = first; b <= last; ++b) {
-    int v, spins = 0;
-    while (true) {
-      asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(c + b) : "memory");
-      if (v >= want) break;
-      __nanosleep(64);
-      if (++spins > (1 << 24)) __trap();
-    }
-  }
-}
-__device__ __forceinline__ void dsv41c_ldcg128(const void* p, void* d) {
-  *reinterpret_cast<float4*>(d) = __ldcg(reinterpret_cast<const float4*>(p));
-}
-"""
 
 
 # CUDA, the finalize's quotients by one divisor (a row's or a column's sum, + eps in the Sinkhorn)
@@ -1435,9 +1369,8 @@ def _cuda_finalize_prim_func(m, D, norm_eps, hc_eps, iters, splits=None):
     squares, read from the CTA's shared rows of the workspace's K partial sums.  A row's sums are a
     pairwise tree in the lane, a column's an xor butterfly over the token's lanes; the quotients by
     one sum share its reciprocal (`_DIV_PRELUDE`)."""
+    names = _PARAMS["finalize", "main"]
     fixed = splits is not None
-    poll = fixed and _FIN_POLL  # after the column-resident kernel: wait per token block
-    names = _PARAMS["finalize", "main"] + (("CNT",) if poll else ())
     splits = splits if fixed else T.dynamic("K")
     S, N = _buffers(names, "float32", m, D, splits)
     ks = functools.partial(T.unroll, 1, splits) if fixed else functools.partial(T.serial, 1, splits)
@@ -1455,16 +1388,9 @@ def _cuda_finalize_prim_func(m, D, norm_eps, hc_eps, iters, splits=None):
 
     @T.macro
     def body(B):
-        with T.Kernel(T.ceildiv(N * mp, threads), threads=threads,
-                      prelude=_DIV_PRELUDE + (_POLL_PRELUDE if poll else "")) as bx:
+        with T.Kernel(T.ceildiv(N * mp, threads), threads=threads, prelude=_DIV_PRELUDE) as bx:
             tx = T.get_thread_binding()
-            if poll:  # launched early (programmatic launch): wait for the CTA's token blocks
-                if tx == 0:
-                    T.call_extern("handle", "dsv41c_wait_blocks", T.address_of(B["CNT"][0]), bx * tpc // _WG_BLK,
-                                  T.min(bx * tpc + tpc - 1, N - 1) // _WG_BLK, splits)
-                T.sync_threads()
-            else:
-                TCU.pdl_sync()  # launched early (programmatic launch): wait for the mixing kernel's workspace
+            TCU.pdl_sync()  # launched early (programmatic launch): wait for the mixing kernel's workspace
             t = bx * tpc + tx // mp
             i = tx % mp
             c = T.alloc_local((m,), "float32")  # row i of comb
@@ -1488,21 +1414,13 @@ def _cuda_finalize_prim_func(m, D, norm_eps, hc_eps, iters, splits=None):
                 for p in T.unroll(fly):
                     # (a row past N reads row N - 1 and is not stored: no branch between the loads)
                     tg = T.min(bx * tpc + (g0 + p) * (threads // 8) + tx // 8, N - 1)
-                    if poll:
-                        T.call_extern("handle", "dsv41c_ldcg128", T.address_of(B["WS"][0, tg, tx % 8 * 4]),
-                                      T.address_of(a[p, 0]))
-                    else:
-                        for e in T.vectorized(4):
-                            a[p, e] = B["WS"][0, tg, tx % 8 * 4 + e]
+                    for e in T.vectorized(4):
+                        a[p, e] = B["WS"][0, tg, tx % 8 * 4 + e]
                 for k in ks():
                     for p in T.unroll(fly):
                         tg = T.min(bx * tpc + (g0 + p) * (threads // 8) + tx // 8, N - 1)
-                        if poll:
-                            T.call_extern("handle", "dsv41c_ldcg128", T.address_of(B["WS"][k, tg, tx % 8 * 4]),
-                                          T.address_of(w[p, 0]))
-                        else:
-                            for e in T.vectorized(4):
-                                w[p, e] = B["WS"][k, tg, tx % 8 * 4 + e]
+                        for e in T.vectorized(4):
+                            w[p, e] = B["WS"][k, tg, tx % 8 * 4 + e]
                         for e in T.unroll(4):
                             a[p, e] = a[p, e] + w[p, e]
                 for p in T.unroll(fly):
@@ -1553,10 +1471,5 @@ def _cuda_finalize_prim_func(m, D, norm_eps, hc_eps, iters, splits=None):
             if T.And(t < N, i < m):
                 for j in cols:
                     B["COMB"][t, i, j] = c[j]
-            if poll:
-                # the last CTA ends only after the mixing kernel has (its stream outputs, which the
-                # next kernel on the stream reads, complete and visible when this kernel is)
-                if bx == T.ceildiv(N * mp, threads) - 1:
-                    TCU.pdl_sync()
 
     return names, _prim_func(names, S, body)
