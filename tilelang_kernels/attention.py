@@ -116,7 +116,8 @@ _PAIR_PAD = 8  # fp32 padding of a row of the shared accumulator copy: conflict-
 # items (4 columns of one head from both CTAs, with their maxima and sums) whose distributed shared
 # memory loads the pair merge issues together: 4 makes four dependent rounds of 16 items a thread.
 # The merge of a batch-32 CTA takes about 6,700 cycles (benchmarks/attention.py --trace); 8 and 16
-# (acc is dead by then) build without spills, not yet timed.
+# (acc is dead by then) build without spills; 16 was timed on an H100 (BENCHMARKS.md): 0.95x at
+# batch 32.
 _PAIR_GROUP = 4
 # CUDA combine: partials loaded together, one round trip to L2 a group (`_combine_prim_func`).  At
 # batch 1 (10 partials) 4 makes three dependent trips; 16 was timed on an H100 (BENCHMARKS.md): no
