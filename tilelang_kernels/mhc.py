@@ -1386,6 +1386,11 @@ def _cuda_finalize_prim_func(m, D, norm_eps, hc_eps, iters, splits=None):
     def zero_padded(c):
         return [c[j] for j in cols] + [T.float32(0)] * (mp - m)
 
+    def ws_row(bx, tx, N, g):
+        """The workspace row that thread tx of CTA bx reads in pass g (a row past N reads row N - 1,
+        which is not stored: no branch between the loads)."""
+        return T.min(bx * tpc + g * (threads // 8) + tx // 8, N - 1)
+
     @T.macro
     def body(B):
         with T.Kernel(T.ceildiv(N * mp, threads), threads=threads, prelude=_DIV_PRELUDE) as bx:
@@ -1412,15 +1417,12 @@ def _cuda_finalize_prim_func(m, D, norm_eps, hc_eps, iters, splits=None):
             w = T.alloc_local((fly, 4), "float32")
             for g0 in range(0, npass, fly):
                 for p in T.unroll(fly):
-                    # (a row past N reads row N - 1 and is not stored: no branch between the loads)
-                    tg = T.min(bx * tpc + (g0 + p) * (threads // 8) + tx // 8, N - 1)
                     for e in T.vectorized(4):
-                        a[p, e] = B["WS"][0, tg, tx % 8 * 4 + e]
+                        a[p, e] = B["WS"][0, ws_row(bx, tx, N, g0 + p), tx % 8 * 4 + e]
                 for k in ks():
                     for p in T.unroll(fly):
-                        tg = T.min(bx * tpc + (g0 + p) * (threads // 8) + tx // 8, N - 1)
                         for e in T.vectorized(4):
-                            w[p, e] = B["WS"][k, tg, tx % 8 * 4 + e]
+                            w[p, e] = B["WS"][k, ws_row(bx, tx, N, g0 + p), tx % 8 * 4 + e]
                         for e in T.unroll(4):
                             a[p, e] = a[p, e] + w[p, e]
                 for p in T.unroll(fly):
