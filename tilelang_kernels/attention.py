@@ -123,14 +123,6 @@ _PAIR_GROUP = 4
 # batch 1 (10 partials) 4 makes three dependent trips; 16 was timed on an H100 (BENCHMARKS.md): no
 # faster at batch 1, 1.2x slower at batch 32.
 _COMBINE_UNROLL = 4
-# CUDA: q's tile by TMA (eight 64-column boxes into the 128-byte swizzled tile, one elected thread,
-# one mbarrier waited on before the loop) instead of 16 cp.async a thread.  The trace puts the first
-# copies' issue at about 1,300 cycles a CTA, most of it q's 4,096 cp.async; TileLang's host code
-# encodes the tensor map on every call.  Builds without spills (239 registers).  T.tma_copy arrives
-# at no barrier, and the first version's barrier waited for one arrival that never came: its one
-# GPU run (an H100) reached its time limit without output.  Every thread now arrives; not yet run on
-# a GPU since.
-_Q_TMA = 0
 # CUDA, a diagnostic: 0, or (set by `benchmarks/attention.py --trace` before its first build) the
 # device address of an int64 buffer [CTAs, TRACE_SLOTS] into which thread 0 of each CTA writes its SM
 # clock (clock64) at the phase boundaries of `attend` (`_TRACE_MARKS`), its SM number, and the global
@@ -815,9 +807,6 @@ def _cuda_prim_func(kind, H, d, scale, split, pair=False):
         i-1 is computed, then decoded into KVs; rowS holds the row numbers of blocks i and i+1."""
         tx = T.get_thread_binding()
         Qs = T.alloc_shared((HB, d), bf)
-        # (T.tma_copy issues only expect_tx and the loads: every thread arrives after it, so the phase
-        # completes once the elected thread has set the byte count and the bytes have landed)
-        qbar = T.alloc_barrier(threads) if _Q_TMA else None
         KVs = T.alloc_shared((BLOCK, d), bf)
         Ps = T.alloc_shared((HB, BLOCK), bf)
         stage = T.alloc_shared((BLOCK, d), stage_t)
@@ -851,10 +840,7 @@ def _cuda_prim_func(kind, H, d, scale, split, pair=False):
         mark(1)
         if nb > 0:  # the first block's copies run while q is loaded
             issue_block(R, stage, stage_s, rowS, kindS, 0, bb, tx)
-        if H % HB == 0 and _Q_TMA:
-            T.tma_copy(R["Q"][bb, bs, bh * HB:(bh + 1) * HB, :], Qs, barrier=qbar)
-            T.barrier_arrive(qbar)
-        elif H % HB == 0:  # q by cp.async too: no thread waits for its loads before block 0's wait
+        if H % HB == 0:  # q by cp.async too (by TMA boxes: 0.96x, BENCHMARKS.md): no thread waits for its loads before block 0's wait
             for u in T.unroll(HB * per_row // threads):
                 h, c = (u * threads + tx) // per_row, (u * threads + tx) % per_row * vec  # (expressions)
                 cp_async(16, Qs[h, c], R["Q"][bb, bs, bh * HB + h, c])
@@ -869,8 +855,6 @@ def _cuda_prim_func(kind, H, d, scale, split, pair=False):
         T.fill(acc, 0)
         T.fill(den, 0)
         T.fill(mrun, _f32_const(_NEG_BIG))
-        if H % HB == 0 and _Q_TMA:
-            T.mbarrier_wait_parity(qbar, 0)
         mark(2)
         for i in T.serial(nb):
             T.ptx_wait_group(0)
