@@ -252,7 +252,7 @@ def test_cuda_build_lowers_for_sm90():
 # (the fifth: each op with the number of blocks in flight that the other has by default; the last:
 # 12 streaming warps)
 WG_TUNINGS = ({}, {"_WG_KSPLIT": 2}, {"_WG_TPW": 1}, {"_WG_BLK": 24, "_WG_TPW": 3},
-              {"_WG_AHEAD_PRE": 1, "_WG_AHEAD_POST_PRE": 2}, {"_WG_BLK": 24, "_WG_TPW": 2})
+              {"_WG_AHEAD_PRE": 1, "_WG_AHEAD_POST_PRE": 2}, {"_WG_BLK": 24, "_WG_TPW": 2}, {"_WG_WS_KEEP": 1})
 
 
 @pytest.fixture
@@ -311,6 +311,8 @@ def test_cuda_wgmma_kernel_lowers_for_sm90(kind, tuning, monkeypatch):
     # the 4th row of token u: m * D * 2 B apart (with one token a warp, u = 0)
     assert ("dsv41c_ldg128(ra[0], ((u * 40960) + 30720)" if K._WG_TPW > 1 else "dsv41c_ldg128(ra[0], 30720, ") in body
     assert "cvt.rn.bf16x2.f32" in src  # two values rounded into one word of the stream
+    # the workspace rows: plain stores, or stores with an L2 evict-last policy (`_WG_WS_KEEP`)
+    assert (body.count("dsv41c_st_keep(") == 2) == bool(K._WG_WS_KEEP) == ("createpolicy" in src)
     # the expand and collapse: an IEEE multiply and add a term, no fused multiply-add
     assert "__fmul_rn" in src and "__fadd_rn" in src and "__fmaf_rn" not in src
 

@@ -150,6 +150,11 @@ _WG_GEMM_REGS = 88
 # post_pre from 76% to 65% (its three sets spill).
 _WG_AHEAD_PRE = 2
 _WG_AHEAD_POST_PRE = 1
+# CUDA mixing kernel for bf16 streams: 1, the workspace rows are stored with an L2 evict-last
+# policy, so that the finalize may find them in L2 behind the streams (at T = 4096 it read them from
+# DRAM: an 11.8% L2 hit rate on an H100).  Prepared, not yet timed on a GPU (BENCHMARKS.md, mHC
+# kernels, "2026-12-06 (evict-last)"); 0 keeps the lowered sources the kernel's.
+_WG_WS_KEEP = 0
 # CUDA, a diagnostic: 0, or (set by `benchmarks/mhc.py --trace` before its first build) the device
 # address of an int64 buffer [CTAs, TRACE_SLOTS] into which the wgmma mixing kernel writes SM clocks
 # (clock64) at the marks of `_TRACE_MARKS`: thread 0 (the first streaming warp) at the start, after
@@ -916,6 +921,14 @@ __device__ __forceinline__ void dsv41c_wgmma_commit() {
 }
 __device__ __forceinline__ void dsv41c_wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
 """
+# a float stored with an L2 evict-last policy (`_WG_WS_KEEP`)
+_WS_KEEP_PRELUDE = """
+__device__ __forceinline__ void dsv41c_st_keep(const float* p, float v) {
+  unsigned long long pol;
+  asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
+  asm volatile("st.global.L2::cache_hint.f32 [%0], %1, %2;" :: "l"(p), "f"(v), "l"(pol) : "memory");
+}
+"""
 
 # CUDA, sm_90: mbarriers at byte offset off of the wgmma kernel's shared memory; arrive releases
 # and the wait acquires at CTA scope (the PTX defaults)
@@ -1058,7 +1071,8 @@ def _cuda_wg_prim_func(kind, m, D):
     mb = L.a_bytes + 2 * L.b_bytes  # the mbarriers full[0], full[1], empty[0], empty[1], 8 bytes each
     mul, add = _arith(True)
     prelude = (cuda_trace_prelude(_TRACE, TRACE_SLOTS, _TRACE_SM) if _TRACE else "") + \
-        CUDA_PACK_BF16X2 + _RUNNING_ADDRS + _WGMMA_PRELUDE + _MBAR_PRELUDE + _wgmma_fn(BLK) + "".join(
+        CUDA_PACK_BF16X2 + _RUNNING_ADDRS + _WGMMA_PRELUDE + _MBAR_PRELUDE + _wgmma_fn(BLK) + \
+        (_WS_KEEP_PRELUDE if _WG_WS_KEEP else "") + "".join(
         f"""
 __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("setmaxnreg.{op}.sync.aligned.u32 {r};"); }}
 """ for op, r in (("dec", _WG_GEMM_REGS), ("inc", r_st)))
@@ -1186,10 +1200,18 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
                 for e in T.unroll(2):
                     t = blk * BLK + 8 * jt + 2 * (lane % 4) + e
                     if t < N:
-                        B["WS"][bg, t, n] = tot[jt * 2 + e]
+                        if _WG_WS_KEEP:
+                            T.call_extern("handle", "dsv41c_st_keep", T.address_of(B["WS"][bg, t, n]),
+                                          tot[jt * 2 + e])
+                        else:
+                            B["WS"][bg, t, n] = tot[jt * 2 + e]
         if tx < BLK:
             if blk * BLK + tx < N:
-                B["WS"][bg, blk * BLK + tx, mix] = SQ[buf, tx]
+                if _WG_WS_KEEP:
+                    T.call_extern("handle", "dsv41c_st_keep", T.address_of(B["WS"][bg, blk * BLK + tx, mix]),
+                                  SQ[buf, tx])
+                else:
+                    B["WS"][bg, blk * BLK + tx, mix] = SQ[buf, tx]
 
     @T.macro
     def stream_block(B, R, i, blk, nb, PV, X, cv, q, lane, tx, sm, si):
