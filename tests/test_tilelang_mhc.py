@@ -249,8 +249,8 @@ def test_cuda_build_lowers_for_sm90():
         assert "cp_async_gs_conditional<16>" in src and f"cp_async_wait<{K._STAGES - 1}>" in src
 
 
-# (the fifth: each op with the number of blocks in flight that the other has by default; the last:
-# 12 streaming warps)
+# (the fifth: each op with the number of blocks in flight that the other has by default; the sixth:
+# 12 streaming warps; the last: the workspace rows stored with an L2 evict-last policy)
 WG_TUNINGS = ({}, {"_WG_KSPLIT": 2}, {"_WG_TPW": 1}, {"_WG_BLK": 24, "_WG_TPW": 3},
               {"_WG_AHEAD_PRE": 1, "_WG_AHEAD_POST_PRE": 2}, {"_WG_BLK": 24, "_WG_TPW": 2}, {"_WG_WS_KEEP": 1})
 

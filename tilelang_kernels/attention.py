@@ -840,7 +840,8 @@ def _cuda_prim_func(kind, H, d, scale, split, pair=False):
         mark(1)
         if nb > 0:  # the first block's copies run while q is loaded
             issue_block(R, stage, stage_s, rowS, kindS, 0, bb, tx)
-        if H % HB == 0:  # q by cp.async too (by TMA boxes: 0.96x, BENCHMARKS.md): no thread waits for its loads before block 0's wait
+        if H % HB == 0:  # q by cp.async too: no thread waits for its loads before block 0's wait
+            # (q by TMA boxes behind an mbarrier was timed 0.96x on an H100, BENCHMARKS.md)
             for u in T.unroll(HB * per_row // threads):
                 h, c = (u * threads + tx) // per_row, (u * threads + tx) % per_row * vec  # (expressions)
                 cp_async(16, Qs[h, c], R["Q"][bb, bs, bh * HB + h, c])
