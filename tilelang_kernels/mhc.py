@@ -1179,6 +1179,14 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
             R["ra"][3] = R["ra"][3] + R["ra"][5]
 
     @T.macro
+    def store_ws(B, g, t, n, v):
+        """Entry n of token t's row of column group g in the workspace (`_WG_WS_KEEP`: evict-last)."""
+        if _WG_WS_KEEP:
+            T.call_extern("handle", "dsv41c_st_keep", T.address_of(B["WS"][g, t, n]), v)
+        else:
+            B["WS"][g, t, n] = v
+
+    @T.macro
     def epilogue(B, R, blk, buf, tx, bg):
         """Block blk's mixes from the accumulators (hi + mid rows of the thread's coefficient), and
         its sums of squares, to the workspace (the GEMM warpgroup, tx its thread index in it, after
@@ -1200,18 +1208,10 @@ __device__ __forceinline__ void dsv41c_setmaxnreg_{op}{r}() {{ asm volatile("set
                 for e in T.unroll(2):
                     t = blk * BLK + 8 * jt + 2 * (lane % 4) + e
                     if t < N:
-                        if _WG_WS_KEEP:
-                            T.call_extern("handle", "dsv41c_st_keep", T.address_of(B["WS"][bg, t, n]),
-                                          tot[jt * 2 + e])
-                        else:
-                            B["WS"][bg, t, n] = tot[jt * 2 + e]
+                        store_ws(B, bg, t, n, tot[jt * 2 + e])
         if tx < BLK:
             if blk * BLK + tx < N:
-                if _WG_WS_KEEP:
-                    T.call_extern("handle", "dsv41c_st_keep", T.address_of(B["WS"][bg, blk * BLK + tx, mix]),
-                                  SQ[buf, tx])
-                else:
-                    B["WS"][bg, blk * BLK + tx, mix] = SQ[buf, tx]
+                store_ws(B, bg, blk * BLK + tx, mix, SQ[buf, tx])
 
     @T.macro
     def stream_block(B, R, i, blk, nb, PV, X, cv, q, lane, tx, sm, si):
